@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sourced by run_tests.sh and run_train.sh: makes sure a virtual environment with titan_sft and what it needs
+# exists, installing what is missing (and saying so). Re-installs when pyproject.toml changes.
+#   TITAN_SFT_VENV   where the environment lives (default: .venv in the repository)
+#   TITAN_SFT_EXTRAS extras to install (default: dev for tests, none for training)
+set -euo pipefail
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_venv="${TITAN_SFT_VENV:-$_root/.venv}"
+_extras="${TITAN_SFT_EXTRAS:-}"
+_py="${PYTHON:-python3}"
+
+if [ ! -x "$_venv/bin/python" ]; then
+  echo "[setup] creating virtual environment $_venv"
+  "$_py" -m venv "$_venv"
+fi
+# shellcheck disable=SC1091
+source "$_venv/bin/activate"
+
+_stamp="$_venv/.titan_sft_stamp"
+_want="$(cat "$_root/pyproject.toml" | sha256sum | cut -c1-16) extras=[$_extras]"
+if [ ! -f "$_stamp" ] || ! grep -qxF "$_want" "$_stamp"; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[setup] GPU found: installing titan_sft with a CUDA build of torch"
+  elif ! python -c "import torch" >/dev/null 2>&1; then
+    # No GPU: pin the CPU build so pip does not pull a multi-GB CUDA wheel.
+    echo "[setup] no GPU: installing torch==2.13.0 (CPU build)"
+    python -m pip install -q "torch==2.13.0"
+  fi
+  _spec="$_root"
+  [ -n "$_extras" ] && _spec="$_root[$_extras]"
+  echo "[setup] installing titan_sft${_extras:+[$_extras]} and its dependencies into $_venv"
+  python -m pip install -q -e "$_spec"
+  echo "$_want" > "$_stamp"
+fi

@@ -1,0 +1,45 @@
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def tiny_hf_config(kind: str):
+    """Random tiny HF configs for parity tests: Qwen3 tied / untied (GQA), Llama 3 with llama3 RoPE scaling."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    if kind == "qwen3_tied":
+        return Qwen3Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "qwen3_untied":
+        return Qwen3Config(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if kind == "llama3":
+        return LlamaConfig(**common, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    raise ValueError(kind)
+
+
+def save_tiny_hf(kind: str, path) -> "torch.nn.Module":
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), attn_implementation="eager").float().eval()
+    # Non-trivial norm weights so that the norms are really tested.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return model

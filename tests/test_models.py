@@ -1,0 +1,152 @@
+"""Native models equal the transformers reference: logits, packed documents, gradients, parameter counts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import save_tiny_hf
+
+from titan_sft.models import build_model, load_hf
+from titan_sft.models.attention import positions_from_cu_seqlens
+from titan_sft.models.hf_adapter import hf_config_from_args, native_to_hf_name
+from titan_sft.models.llama3 import LLAMA3_FLAVORS
+from titan_sft.models.qwen3 import QWEN3_FLAVORS
+
+KINDS = ["qwen3_tied", "qwen3_untied", "llama3"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_hf(request.param, path)
+    return hf, path
+
+
+def test_plain_batch_logits(pair):
+    hf, path = pair
+    model = load_hf(path)
+    x = torch.randint(0, 320, (3, 40))
+    with torch.no_grad():
+        ref = hf(x).logits
+        out = model(x)
+    assert out.shape == (3, 40, 320)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("reset", [False, True])
+def test_packed_rows_equal_documents_alone(pair, backend, reset):
+    hf, path = pair
+    model = load_hf(path, attention=backend)
+    lens = [7, 30, 1, 22]  # the last one stands in for trailing padding
+    docs = [torch.randint(0, 320, (1, n)) for n in lens]
+    row = torch.cat(docs, dim=1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    pos = positions_from_cu_seqlens(cu, row.shape[1], reset=reset)
+    with torch.no_grad():
+        out = model(row, cu_seqlens=cu, positions=pos)
+        for i, doc in enumerate(docs):
+            ref = hf(doc).logits
+            got = out[:, cu[i] : cu[i + 1]]
+            assert (got - ref).abs().max().item() < 1e-5, (i, backend, reset)
+
+
+def test_gradients_match(pair):
+    hf, path = pair
+    model = load_hf(path)
+    x = torch.randint(0, 320, (2, 24))
+    y = torch.randint(0, 320, (2, 24))
+    F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).backward()
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    hf_params = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        ref = hf_params[native_to_hf_name(name)].grad
+        rel = (p.grad - ref).norm() / ref.norm()
+        assert rel.item() < 1e-5, name
+
+
+def test_loss_call_form_equals_logits(pair):
+    _, path = pair
+    model = load_hf(path)
+    x = torch.randint(0, 320, (2, 24))
+    y = torch.randint(0, 320, (2, 24))
+    y[0, :5] = -100
+    model.loss_chunk_size = 7
+    ref = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum", ignore_index=-100)
+    assert torch.allclose(model(x, labels=y), ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_document_isolation_bitwise(pair, backend):
+    _, path = pair
+    model = load_hf(path, attention=backend)
+    row = torch.randint(0, 320, (1, 48))
+    cu = torch.tensor([0, 20, 48], dtype=torch.int32)
+    other = row.clone()
+    other[0, 20:] = torch.randint(0, 320, (28,))
+    with torch.no_grad():
+        a = model(row, cu_seqlens=cu, hidden_only=True)
+        b = model(other, cu_seqlens=cu, hidden_only=True)
+    assert torch.equal(a[:, :20], b[:, :20])
+    assert not torch.equal(a[:, 20:], b[:, 20:])
+
+
+def test_tied_model_shares_one_tensor(tmp_path):
+    save_tiny_hf("qwen3_tied", tmp_path)
+    model = load_hf(tmp_path)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == model.args.num_params()
+
+
+@pytest.mark.parametrize(
+    "family,flavor",
+    [("qwen3", f) for f in QWEN3_FLAVORS] + [("llama3", f) for f in LLAMA3_FLAVORS],
+)
+def test_param_count_equals_hf(family, flavor):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    args = (QWEN3_FLAVORS if family == "qwen3" else LLAMA3_FLAVORS)[flavor]
+    native = build_model(args)  # meta device
+    cfg = hf_config_from_args(args)
+    hf_cfg = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg)
+    n_native = sum(p.numel() for p in native.parameters())
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert n_native == n_hf == args.num_params()
+    assert all(p.is_meta for p in native.parameters())
+
+
+def test_load_hf_names_missing_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_hf("qwen3_untied", tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight|layers.1.feed_forward.w3.weight"):
+        load_hf(tmp_path)
+
+
+def test_load_hf_names_shape_mismatch(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_hf("llama3", tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["model.embed_tokens.weight"] = torch.zeros(321, 64)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.embed_tokens.weight"):
+        load_hf(tmp_path)
+
+
+def test_legacy_rope_config_keys():
+    from titan_sft.models.hf_adapter import args_from_hf_config
+
+    legacy = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "intermediate_size": 128, "vocab_size": 10, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    args = args_from_hf_config(legacy)
+    assert args.rope_theta == 500000.0 and args.rope_scaling.factor == 8.0 and args.head_dim == 16
+    new = hf_config_from_args(args)
+    again = args_from_hf_config(new)
+    assert again.rope_scaling == args.rope_scaling and again.rope_theta == args.rope_theta

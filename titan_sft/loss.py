@@ -1,0 +1,77 @@
+"""Chunked cross-entropy: the output head and the loss applied a chunk of tokens at a time.
+
+For Qwen3 the vocabulary is 151936, so the [tokens, vocab] fp32 logits of one 32k-token row would take 20 GB.
+Here the head is applied to ``chunk_size`` tokens at a time, the token losses are summed in fp32, and the
+gradients of that chunk (w.r.t. the hidden states and the head weight) are computed right away, while its logits
+exist; backward then only scales them by the incoming gradient. Peak memory is one chunk of logits, the work is
+the same three matmuls as the unchunked loss, and nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, h.shape[0], chunk_size):
+            hc, yc = h[start : start + chunk_size], y[start : start + chunk_size]
+            logits = F.linear(hc, weight).float()
+            total += F.cross_entropy(logits, yc, ignore_index=IGNORE_INDEX, reduction="sum")
+            if not (need_h or need_w):
+                continue
+            # d(sum CE)/d logits = softmax - onehot on loss-carrying rows, 0 elsewhere.
+            valid = yc != IGNORE_INDEX
+            g = torch.softmax(logits, dim=-1)
+            g[valid, yc[valid]] -= 1.0
+            g[~valid] = 0.0
+            g = g.to(hc.dtype)  # the unchunked autograd graph casts here too (logits were .float()-ed)
+            if need_h:
+                grad_h[start : start + chunk_size] = g @ weight
+            if need_w:
+                grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(
+            grad_h if need_h else torch.empty(0), grad_w.to(weight.dtype) if need_w else torch.empty(0)
+        )
+        ctx.shape = hidden.shape
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * grad_out.to(grad_h.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+) -> torch.Tensor:
+    """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, in fp32.
+
+    Args:
+        hidden: [..., dim] final hidden states.
+        weight: [vocab, dim] output head.
+        labels: [...] target ids; ``-100`` carries no loss.
+        chunk_size: tokens per chunk; peak extra memory is ``chunk_size * vocab`` fp32 values.
+
+    Returns:
+        fp32 scalar; its gradients equal those of the unchunked ``F.cross_entropy(..., reduction="sum")``.
+    """
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+
+
+def naive_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unchunked reference: materialises all logits. For tests and benchmarks."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")

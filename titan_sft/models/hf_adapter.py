@@ -1,0 +1,212 @@
+"""Native <-> Hugging Face conversion: tensor names, tied embeddings, and config.json <-> TransformerArgs.
+
+The native model rotates RoPE halves exactly as HF does, so no tensor changes layout; only names move. A tied
+HF checkpoint has no ``lm_head.weight``: the embedding is the head.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_sft.models.transformer import RopeScaling, TransformerArgs
+
+# (native regex, HF template); {i} is the layer index.
+_LAYER_MAP = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
+_HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
+_NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def native_to_hf_name(name: str) -> str:
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    m = _NATIVE_LAYER.match(name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    raise KeyError(f"no HF name for native tensor '{name}'")
+
+
+def hf_to_native_name(name: str) -> str:
+    if name in _HF_TOP_MAP:
+        return _HF_TOP_MAP[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _HF_LAYER_MAP:
+        return f"layers.{m.group(1)}.{_HF_LAYER_MAP[m.group(2)]}"
+    raise KeyError(f"unknown HF tensor '{name}'")
+
+
+class StateDictAdapter:
+    """Maps state dicts between the native model and HF checkpoints of one model (its args decide tying)."""
+
+    def __init__(self, args: TransformerArgs):
+        self.args = args
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, tensor in state_dict.items():
+            if name == "output.weight" and self.args.tie_embeddings:
+                continue  # tied: the embedding is the head, HF writes no lm_head.weight
+            out[native_to_hf_name(name)] = tensor
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for name, tensor in hf_state_dict.items():
+            if name == "lm_head.weight" and self.args.tie_embeddings:
+                continue  # some tied checkpoints still carry a copy; the embedding wins, as in transformers
+            out[hf_to_native_name(name)] = tensor
+        return out
+
+    def hf_names(self) -> list[str]:
+        """HF tensor names a checkpoint of this model holds."""
+        names = [native_to_hf_name(n) for n in expected_native_names(self.args)]
+        return [n for n in names if not (n == "lm_head.weight" and self.args.tie_embeddings)]
+
+
+def expected_native_names(args: TransformerArgs) -> list[str]:
+    names = ["tok_embeddings.weight"]
+    for i in range(args.n_layers):
+        for key in _LAYER_MAP:
+            if "q_norm" in key or "k_norm" in key:
+                if not args.qk_norm:
+                    continue
+            names.append(f"layers.{i}.{key}")
+    names.append("norm.weight")
+    if not args.tie_embeddings:
+        names.append("output.weight")
+    return names
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either transformers 5 (``rope_parameters``) or older (``rope_theta``,
+    ``rope_scaling``) config layouts."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", scaling.get("rope_theta")))
+    if theta is None:
+        raise ValueError("config.json has no rope_theta (neither rope_parameters.rope_theta nor rope_theta)")
+    src = params if params.get("rope_type", "default") != "default" else scaling
+    rope_type = src.get("rope_type", src.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: RoPE type '{rope_type}' is not supported (supported: default, llama3)")
+    return float(theta), RopeScaling(
+        factor=float(src["factor"]),
+        low_freq_factor=float(src["low_freq_factor"]),
+        high_freq_factor=float(src["high_freq_factor"]),
+        original_max_position_embeddings=int(src["original_max_position_embeddings"]),
+    )
+
+
+def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
+    """TransformerArgs from a Qwen3 or Llama config.json dict."""
+    model_type = cfg.get("model_type")
+    if model_type not in ("qwen3", "llama"):
+        raise ValueError(f"config.json: model_type '{model_type}' is not supported (supported: qwen3, llama)")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError("config.json: attention_bias/mlp_bias models are not supported")
+    theta, scaling = _rope_from_hf(cfg)
+    heads = cfg["num_attention_heads"]
+    return TransformerArgs(
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=model_type == "qwen3",
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_seq_len=cfg.get("max_position_embeddings", 40960),
+        extra={k: v for k, v in cfg.items() if k in _CARRIED_KEYS},
+    )
+
+
+# Fields of the source config.json that export carries through unchanged (token ids and the like).
+_CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "max_window_layers")
+
+
+def hf_config_from_args(args: TransformerArgs, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """A config.json dict that transformers (4.x and 5.x) and vLLM read as the same model.
+
+    Both RoPE layouts are written: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
+    (older readers); likewise ``dtype`` and ``torch_dtype``.
+    """
+    qwen = args.qk_norm
+    dtype_name = str(dtype).removeprefix("torch.")
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        rope_parameters = {
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen else "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": args.tie_embeddings,
+        "rope_theta": args.rope_theta,
+        "rope_parameters": rope_parameters,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        "use_cache": True,
+        "initializer_range": 0.02,
+    }
+    if args.rope_scaling is not None:
+        cfg["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+    if qwen:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
+    else:
+        cfg["mlp_bias"] = False
+    cfg.update(args.extra)
+    return cfg
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
+    return json.loads(path.read_text())

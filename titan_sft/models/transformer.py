@@ -1,0 +1,246 @@
+"""The decoder shared by Qwen3 and Llama 3, in plain PyTorch.
+
+The two families differ only in numbers and two switches: Qwen3 normalises queries and keys per head
+(``qk_norm``) before RoPE; Llama 3.1 scales RoPE frequencies (``rope_scaling``). Everything else (pre-norm
+blocks, GQA attention, SwiGLU MLP, no biases, RMSNorm computed in fp32) is the same, so one file serves both and
+reads in one pass. Parameter names follow torchtitan; ``hf_adapter`` maps them to HF names.
+
+Build on the meta device, then ``to_empty`` and :meth:`Transformer.init_weights` (or load weights), so large
+flavors never materialise whole on one host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_sft.models.attention import AttentionBackend, AttentionMask
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 ("llama3") RoPE frequency scaling."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class TransformerArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 40960
+    # Runtime choices, not architecture: set from [model] config.
+    attention: str = "sdpa"
+    causal: bool = True
+    extra: dict = field(default_factory=dict)  # HF config fields we carry through export untouched
+
+    def num_params(self) -> int:
+        """Parameter count, counting a tied embedding once."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+
+
+def rope_inv_freq(args: TransformerArgs, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim / 2] in fp32, computed exactly as HF does (with llama3 scaling)."""
+    exps = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float() / args.head_dim
+    inv_freq = 1.0 / (args.rope_theta**exps)
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (fp32 math, cast like HF)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates halves (the HF layout, so checkpoints need no permutation). x: [B, H, T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32, cast back before the weight (as HF does, so bf16 runs round identically)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: TransformerArgs, backend: AttentionBackend):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate_proj
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down_proj
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TransformerArgs, backend: AttentionBackend):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = SelfAttention(args, backend)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, std: float) -> None:
+        # Output projections get a depth-scaled std so the residual stream does not grow with depth.
+        out_std = std / math.sqrt(2 * (self.layer_id + 1))
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
+            nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
+        for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
+            nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        for norm in (self.attention_norm, self.ffn_norm, self.attention.q_norm, self.attention.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM (Qwen3 / Llama 3).
+
+    Call forms (all take ``input_ids`` LongTensor [B, T]):
+
+    * ``model(input_ids)`` -> logits [B, T, vocab], ordinary causal attention, positions 0..T-1.
+    * ``model(input_ids, cu_seqlens=cu)`` with B == 1: a packed row of documents whose boundaries are ``cu``
+      (int32 [n_docs + 1], 0 ... T). Documents never attend to each other. Positions default to 0..T-1 over the
+      whole row (the recipe); pass ``positions`` [1, T] to reset them per document.
+    * ``model(..., hidden_only=True)`` -> final-normed hidden states [B, T, dim] (no output head).
+    * ``model(..., labels=y)`` -> fp32 scalar: the SUM of token cross-entropies over positions whose label is not
+      ``-100``, computed chunk by chunk (``loss_chunk_size`` tokens at a time) so that [tokens, vocab] logits never
+      exist at once. Computing the loss inside ``forward`` keeps the output head under the same FSDP hooks.
+    """
+
+    def __init__(self, args: TransformerArgs):
+        super().__init__()
+        self.args = args
+        self.backend = AttentionBackend(args.attention, causal=args.causal)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps FQNs stable when layers are wrapped (AC, compile, FSDP).
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.backend) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.loss_chunk_size = 4096
+
+    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+        super().to_empty(device=device, recurse=recurse)
+        # to_empty gives every parameter slot fresh storage, which unties a shared head; tie it again.
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Seeded random init (call after ``to_empty``); the RNG order is fixed, so a seed fixes the weights."""
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std)
+        self.norm.reset_parameters()
+        if not self.args.tie_embeddings:
+            final_std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden_only: bool = False,
+    ) -> torch.Tensor:
+        b, t = input_ids.shape
+        h = self.tok_embeddings(input_ids)
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).unsqueeze(0)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype)
+        mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        h = self.norm(h)
+        if hidden_only:
+            return h
+        if labels is not None:
+            from titan_sft.loss import chunked_cross_entropy_sum
+
+            return chunked_cross_entropy_sum(h, self.output.weight, labels, self.loss_chunk_size)
+        return self.output(h)
