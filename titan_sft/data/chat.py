@@ -1,0 +1,160 @@
+"""Chat conversations -> token ids + assistant (loss) mask, through a chat template with generation markers.
+
+The mask comes from ``{% generation %}`` spans of the template: transformers' renderer returns their character
+ranges, and a token is an assistant token when its character range overlaps one. The text is tokenized whole,
+exactly as ``tokenizer.apply_chat_template(messages, tokenize=True)`` does, so the ids are identical to it.
+
+Qwen3's stock template has no generation markers; pointed at it, we recognise it by hash and use the shipped
+marked equivalent (``assets/chat_templates/qwen3_marked.jinja``), which renders the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+ROLES = ("system", "user", "assistant")
+
+
+class BadRow(ValueError):
+    """A conversation that cannot be used; the message says why (the caller adds file:line)."""
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _stock_hashes() -> dict[str, str]:
+    """sha256 of known stock templates -> the shipped marked template that renders the same text."""
+    out = {}
+    for f in TEMPLATE_DIR.glob("*_stock.sha256"):
+        marked = f.name.replace("_stock.sha256", "_marked.jinja")
+        for line in f.read_text().split():
+            out[line.strip()] = marked
+    return out
+
+
+@dataclass
+class ResolvedTemplate:
+    template: str  # the template actually rendered (has generation markers)
+    source: str  # where it came from, for the log and the manifest
+    sha256: str  # of the template the user's tokenizer (or --chat-template) holds
+
+
+def resolve_template(tokenizer_template: str | None, override_file: str | None = None) -> ResolvedTemplate:
+    """Chooses the template that yields assistant masks.
+
+    Raises:
+        ValueError: no template at all, or one without generation markers that we do not recognise.
+    """
+    if override_file is not None:
+        text = Path(override_file).read_text()
+        origin = f"--chat-template {override_file}"
+    elif tokenizer_template:
+        text = tokenizer_template
+        origin = "the tokenizer's chat template"
+    else:
+        raise ValueError("the tokenizer has no chat template; pass --chat-template FILE (a Jinja chat template)")
+    if _GENERATION_RE.search(text):
+        return ResolvedTemplate(text, origin, sha256(text))
+    marked = _stock_hashes().get(sha256(text))
+    if marked is not None:
+        src = f"{origin} is a known stock template without generation markers; using shipped {marked} (same text)"
+        return ResolvedTemplate((TEMPLATE_DIR / marked).read_text(), src, sha256(text))
+    raise ValueError(
+        f"{origin} has no {{% generation %}} markers and is not a known stock template, so assistant tokens cannot "
+        "be found; pass --chat-template FILE with {% generation %}...{% endgeneration %} around assistant turns"
+    )
+
+
+def validate_conversation(row: Any) -> list[dict[str, Any]]:
+    """Checks one parsed JSON row and returns its messages; raises :class:`BadRow` naming the problem."""
+    if not isinstance(row, dict) or "messages" not in row:
+        raise BadRow("no 'messages' list")
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("'messages' must be a non-empty list")
+    has_assistant = False
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRow(f"message {i} is not an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRow(f"message {i} has unknown role {role!r} (allowed: {', '.join(ROLES)})")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise BadRow(f"message {i} content must be a string")
+        if role == "assistant":
+            if not content.strip() and not (m.get("reasoning_content") or "").strip():
+                raise BadRow(f"message {i} (assistant) has empty content")
+            has_assistant = True
+    if not has_assistant:
+        raise BadRow("no assistant turn")
+    return messages
+
+
+class ChatEncoder:
+    """Renders conversations with a marked template and tokenizes them with offsets (picklable)."""
+
+    def __init__(self, template: str, backend_tokenizer: Any, special_tokens: dict[str, Any]):
+        self.template = template
+        self.tok = backend_tokenizer  # a `tokenizers.Tokenizer`
+        self.special_tokens = special_tokens
+
+    def render(self, conversations: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        texts, spans = render_jinja_template(
+            conversations=conversations,
+            chat_template=self.template,
+            return_assistant_tokens_mask=True,
+            **self.special_tokens,
+        )
+        return texts, spans
+
+    def encode(self, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(ids int32 [n], mask uint8 [n])] per conversation."""
+        texts, spans = self.render(conversations)
+        encodings = self.tok.encode_batch(texts, add_special_tokens=False)
+        out = []
+        for enc, conv_spans in zip(encodings, spans):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            for s, e in conv_spans:
+                # A token is an assistant token when its characters overlap the span.
+                mask |= ((offsets[:, 0] < e) & (offsets[:, 1] > s)).astype(np.uint8)
+            out.append((ids, mask))
+        return out
+
+
+def load_tokenizer(path: str | Path):
+    """An HF tokenizer from a local directory (never the network)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a tokenizer directory (no tokenizer.json / tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def encoder_for(tokenizer: Any, chat_template_file: str | None = None) -> tuple[ChatEncoder, ResolvedTemplate]:
+    resolved = resolve_template(getattr(tokenizer, "chat_template", None), chat_template_file)
+    special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    return ChatEncoder(resolved.template, tokenizer.backend_tokenizer, special), resolved
+
+
+def parse_line(line: str) -> list[dict[str, Any]]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadRow(f"not JSON ({e.msg})") from None
+    return validate_conversation(row)

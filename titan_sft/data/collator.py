@@ -1,0 +1,77 @@
+"""Packed examples -> the model's padding-free rows (recipe items 6 and 7).
+
+A microbatch of P packed examples of length L becomes one flattened row [1, P * L] with:
+- ``cu_seqlens``: document boundaries; each pack's trailing padding is a segment of its own;
+- ``positions``: 0..L-1 per packed example (the recipe), or restarting at 0 per document (option);
+- ``labels``: position i of a pack predicts x[i+1] iff m[i+1] == 1 and i + 1 < L, else -100; so the last
+  position of every pack carries no loss and no target crosses into the next pack;
+- ``groups``: the loss group of every position (from the pack's position in the global batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Microbatch:
+    input_ids: torch.Tensor  # [1, P*L] long
+    labels: torch.Tensor  # [1, P*L] long, -100 where no loss
+    positions: torch.Tensor  # [1, P*L] long
+    cu_seqlens: torch.Tensor  # [n_segments + 1] int32
+    groups: torch.Tensor  # [1, P*L] long, loss group per position
+    max_seqlen: int
+    n_loss_tokens: int
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Microbatch":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Microbatch(move(self.input_ids), move(self.labels), move(self.positions), move(self.cu_seqlens),
+                          move(self.groups), self.max_seqlen, self.n_loss_tokens)
+
+    def pin_memory(self) -> "Microbatch":
+        pin = lambda t: t.pin_memory()  # noqa: E731
+        return Microbatch(pin(self.input_ids), pin(self.labels), pin(self.positions), pin(self.cu_seqlens),
+                          pin(self.groups), self.max_seqlen, self.n_loss_tokens)
+
+
+def shifted_labels(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """labels[i] = tokens[i+1] where mask[i+1] == 1, else -100; the last position never carries loss."""
+    labels = np.full(tokens.shape, IGNORE_INDEX, dtype=np.int64)
+    carry = mask[1:].astype(bool)
+    labels[:-1][carry] = tokens[1:][carry]
+    return labels
+
+
+def collate(packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], groups: list[int],
+            reset_positions: bool = False) -> Microbatch:
+    """Flattens packed examples (tokens, mask, doc_lens) with their loss groups into one row."""
+    ids, labels, pos, grp, seg_lens = [], [], [], [], []
+    for (tokens, mask, doc_lens), g in zip(packs, groups):
+        L = len(tokens)
+        ids.append(tokens.astype(np.int64))
+        labels.append(shifted_labels(tokens, mask))
+        grp.append(np.full(L, g, dtype=np.int64))
+        lens = [int(n) for n in doc_lens]
+        pad = L - sum(lens)
+        segs = lens + ([pad] if pad > 0 else [])
+        seg_lens.extend(segs)
+        if reset_positions:
+            pos.append(np.concatenate([np.arange(n) for n in segs]))
+        else:
+            pos.append(np.arange(L))
+    cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
+    labels_np = np.concatenate(labels)
+    return Microbatch(
+        input_ids=torch.from_numpy(np.concatenate(ids)).unsqueeze(0),
+        labels=torch.from_numpy(labels_np).unsqueeze(0),
+        positions=torch.from_numpy(np.concatenate(pos).astype(np.int64)).unsqueeze(0),
+        cu_seqlens=torch.from_numpy(cu),
+        groups=torch.from_numpy(np.concatenate(grp)).unsqueeze(0),
+        max_seqlen=int(max(seg_lens)),
+        n_loss_tokens=int((labels_np != IGNORE_INDEX).sum()),
+    )

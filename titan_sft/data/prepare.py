@@ -1,0 +1,377 @@
+"""``python -m titan_sft.data.prepare``: chat JSONL -> packed, assistant-masked dataset (contracts.md layout).
+
+Streaming in three passes with bounded memory:
+1. read lines in order, tokenize batches of them across ``--workers`` processes (results come back in input
+   order, so the output is byte-identical for any worker count) and append ids and masks to flat scratch files;
+2. choose packs from the document lengths alone (greedy in input order, or best-fit-decreasing);
+3. write ``tokens.npy`` etc. through memory maps, copying documents from the scratch files.
+Everything is written into a hidden ``*.partial`` sibling of ``--out`` and renamed only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import io
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from titan_sft.data.chat import BadRow, ChatEncoder, encoder_for, load_tokenizer, parse_line
+
+FORMAT_VERSION = 1
+BATCH_LINES = 256  # lines per work item: fixed, so results never depend on the worker count
+
+
+class PrepareError(RuntimeError):
+    """Stops the job with one message; nothing is written to --out."""
+
+
+def input_files(paths: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(x for x in p.iterdir() if x.name.endswith((".jsonl", ".jsonl.gz")))
+            if not found:
+                raise PrepareError(f"{p}: directory holds no .jsonl or .jsonl.gz files")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise PrepareError(f"{p}: no such file or directory")
+    return files
+
+
+def iter_lines(files: list[Path]) -> Iterator[tuple[str, int, str]]:
+    """(file, 1-based line number, text) for every non-blank line, streaming."""
+    for f in files:
+        raw = gzip.open(f, "rb") if f.name.endswith(".gz") else open(f, "rb")
+        with io.TextIOWrapper(raw, encoding="utf-8", errors="strict") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    yield str(f), lineno, line
+
+
+def _batches(lines: Iterator, size: int) -> Iterator[list]:
+    batch = []
+    for item in lines:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+_ENCODER: ChatEncoder | None = None
+
+
+def _encode_batch(batch: list[tuple[str, int, str]]) -> list[tuple]:
+    """Worker: ('ok', ids, mask) or ('bad', file, line, reason) per input line, in order."""
+    good, out = [], []
+    for file, lineno, line in batch:
+        try:
+            good.append((len(out), parse_line(line)))
+            out.append(None)
+        except BadRow as e:
+            out.append(("bad", file, lineno, str(e)))
+    if good:
+        try:
+            encoded = _ENCODER.encode([m for _, m in good])
+        except Exception:
+            # A template error in one conversation should name that line: redo one by one.
+            encoded = []
+            for slot, messages in good:
+                try:
+                    encoded.extend(_ENCODER.encode([messages]))
+                except Exception as e:  # noqa: BLE001 - the template's own error, reported per row
+                    file, lineno, _ = batch[slot]
+                    encoded.append(("bad", file, lineno, f"chat template failed: {e}"))
+        for (slot, _), enc in zip(good, encoded):
+            out[slot] = enc if isinstance(enc[0], str) else ("ok", enc[0], enc[1])
+    return out
+
+
+@dataclass
+class Stats:
+    conversations: int = 0
+    tokens: int = 0
+    bad_rows: int = 0
+    truncated: int = 0
+    dropped_overlength: int = 0
+    dropped_no_loss: int = 0
+    first_bad: list = field(default_factory=list)
+
+
+class Progress:
+    """One stderr line, refreshed at most once a second: conversations/s and tokens/s."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.t0, self.last = enabled, time.monotonic(), 0.0
+
+    def update(self, s: Stats, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < 1.0):
+            return
+        self.last = now
+        dt = max(now - self.t0, 1e-9)
+        end = "\n" if final else "\r"
+        sys.stderr.write(
+            f"prepare: {s.conversations:,} conversations ({s.conversations / dt:,.0f}/s), "
+            f"{s.tokens:,} tokens ({s.tokens / dt:,.0f} tok/s), {s.bad_rows} bad rows{end}"
+        )
+        sys.stderr.flush()
+
+
+def pack_greedy(lens: np.ndarray, seq_len: int, max_docs: int) -> list[list[int]]:
+    """The recipe's packing: input order, a new pack when the next document does not fit."""
+    packs: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        if cur and (used + n > seq_len or len(cur) == max_docs):
+            packs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        packs.append(cur)
+    return packs
+
+
+def pack_bfd(lens: np.ndarray, seq_len: int, max_docs: int) -> list[list[int]]:
+    """Best-fit-decreasing: longest first, each into the open pack with the least room that still fits it."""
+    order = np.argsort(-lens, kind="stable")
+    packs: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # sorted (remaining room, pack id) of packs that can take more documents
+    for i in order.tolist():
+        n = int(lens[i])
+        k = bisect.bisect_left(room, (n, -1))
+        if k < len(room):
+            r, pid = room.pop(k)
+        else:
+            r, pid = seq_len, len(packs)
+            packs.append([])
+        packs[pid].append(i)
+        if len(packs[pid]) < max_docs and r - n > 0:
+            bisect.insort(room, (r - n, pid))
+    return packs
+
+
+def prepare(
+    inputs: list[str],
+    tokenizer_path: str,
+    seq_len: int,
+    out: str,
+    chat_template: str | None = None,
+    packing: str = "greedy",
+    overlength: str = "truncate",
+    on_bad_row: str = "error",
+    workers: int | None = None,
+    max_docs_per_pack: int = 64,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Runs the whole job; returns the manifest. Raises :class:`PrepareError` with one clear message."""
+    if seq_len < 2:
+        raise PrepareError(f"--seq-len must be at least 2, got {seq_len}")
+    if max_docs_per_pack < 1:
+        raise PrepareError(f"--max-docs-per-pack must be at least 1, got {max_docs_per_pack}")
+    out_dir = Path(out)
+    if out_dir.exists() and not overwrite:
+        raise PrepareError(f"{out_dir} already exists; choose another --out or pass --overwrite")
+    files = input_files(inputs)
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise PrepareError(f"--tokenizer {tokenizer_path}: {e}") from None
+    try:
+        encoder, resolved = encoder_for(tokenizer, chat_template)
+    except (OSError, ValueError) as e:
+        raise PrepareError(str(e)) from None
+    log = (lambda msg: print(f"prepare: {msg}", file=sys.stderr)) if progress else (lambda msg: None)
+    log(f"chat template: {resolved.source}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    workers = workers or os.cpu_count() or 1
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _prepare_into(
+            tmp, files, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs_per_pack, progress, log
+        )
+        manifest.update(
+            tokenizer=str(tokenizer_path),
+            chat_template_sha256=resolved.sha256,
+            chat_template_source=resolved.source,
+            vocab_size=len(tokenizer),
+            eos_id=tokenizer.eos_token_id,
+            pad_id=pad_id,
+            inputs=[str(f) for f in files],
+        )
+        if pad_id != 0:
+            tokens = np.load(tmp / "tokens.npy", mmap_mode="r+")
+            _fill_padding(tokens, manifest["_fill"], pad_id)
+            tokens.flush()
+            del tokens
+        manifest.pop("_fill")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _fill_padding(tokens: np.ndarray, used: np.ndarray, pad_id: int) -> None:
+    for p in np.nonzero(used < tokens.shape[1])[0].tolist():
+        tokens[p, used[p] :] = pad_id
+
+
+def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs, progress, log):
+    global _ENCODER
+    _ENCODER = encoder
+    stats = Stats()
+    bar = Progress(progress)
+    lens: list[int] = []
+    tok_f = open(tmp / "_scratch_tokens.bin", "wb")
+    mask_f = open(tmp / "_scratch_mask.bin", "wb")
+    batches = _batches(iter_lines(files), BATCH_LINES)
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
+    try:
+        results = pool.imap(_encode_batch, batches, chunksize=1) if pool else map(_encode_batch, batches)
+        for batch in results:
+            for res in batch:
+                if res[0] == "bad":
+                    _, file, lineno, reason = res
+                    if on_bad_row == "error":
+                        raise PrepareError(f"{file}:{lineno}: {reason} (use --on-bad-row skip to skip bad rows)")
+                    stats.bad_rows += 1
+                    if len(stats.first_bad) < 20:
+                        stats.first_bad.append(f"{file}:{lineno}: {reason}")
+                    continue
+                _, ids, mask = res
+                stats.conversations += 1
+                stats.tokens += len(ids)
+                if len(ids) > seq_len:
+                    if overlength == "drop":
+                        stats.dropped_overlength += 1
+                        continue
+                    ids, mask = ids[:seq_len], mask[:seq_len]
+                    if not mask[1:].any():
+                        stats.dropped_no_loss += 1
+                        continue
+                    stats.truncated += 1
+                tok_f.write(ids.tobytes())
+                mask_f.write(mask.tobytes())
+                lens.append(len(ids))
+            bar.update(stats)
+    finally:
+        if pool:
+            pool.terminate()
+        tok_f.close()
+        mask_f.close()
+    bar.update(stats, final=True)
+    if stats.bad_rows:
+        log(f"skipped {stats.bad_rows} bad rows; first: {stats.first_bad[0]}")
+    if not lens:
+        raise PrepareError("no usable conversations in the input")
+
+    lens_arr = np.asarray(lens, dtype=np.int64)
+    packs = (pack_bfd if packing == "bfd" else pack_greedy)(lens_arr, seq_len, max_docs)
+    n_packs = len(packs)
+    starts = np.concatenate([[0], np.cumsum(lens_arr)])
+    src_tok = np.memmap(tmp / "_scratch_tokens.bin", dtype=np.int32, mode="r")
+    src_mask = np.memmap(tmp / "_scratch_mask.bin", dtype=np.uint8, mode="r")
+    tokens = np.lib.format.open_memmap(tmp / "tokens.npy", mode="w+", dtype=np.int32, shape=(n_packs, seq_len))
+    amask = np.lib.format.open_memmap(tmp / "assistant_mask.npy", mode="w+", dtype=np.uint8, shape=(n_packs, seq_len))
+    doc_lens = np.empty(len(lens_arr), dtype=np.int32)
+    offsets = np.zeros(n_packs + 1, dtype=np.int64)
+    counts = np.zeros(n_packs, dtype=np.int64)
+    used = np.zeros(n_packs, dtype=np.int64)
+    d = 0
+    for p, docs in enumerate(packs):
+        pos = 0
+        for i in docs:
+            n = int(lens_arr[i])
+            tokens[p, pos : pos + n] = src_tok[starts[i] : starts[i] + n]
+            amask[p, pos : pos + n] = src_mask[starts[i] : starts[i] + n]
+            doc_lens[d] = n
+            d += 1
+            pos += n
+        offsets[p + 1] = d
+        used[p] = pos
+        # Position i carries loss iff m[i+1] == 1: the pack's first token never does.
+        counts[p] = int(amask[p, 1:pos].sum())
+    tokens.flush()
+    amask.flush()
+    del tokens, amask, src_tok, src_mask
+    os.remove(tmp / "_scratch_tokens.bin")
+    os.remove(tmp / "_scratch_mask.bin")
+    np.save(tmp / "doc_lens.npy", doc_lens)
+    np.save(tmp / "pack_offsets.npy", offsets)
+    np.save(tmp / "assistant_counts.npy", counts)
+    n_tokens = int(lens_arr.sum())
+    n_assist = int(np.load(tmp / "assistant_mask.npy", mmap_mode="r").sum(dtype=np.int64))
+    padding_fraction = 1.0 - n_tokens / (n_packs * seq_len)
+    return {
+        "format_version": FORMAT_VERSION,
+        "max_seq_len": seq_len,
+        "n_packs": n_packs,
+        "n_documents": int(len(lens_arr)),
+        "n_tokens": n_tokens,
+        "n_assistant_tokens": n_assist,
+        "n_loss_targets": int(counts.sum()),
+        "packing": packing,
+        "max_docs_per_pack": max_docs,
+        "padding_fraction": round(padding_fraction, 6),
+        "packing_efficiency": round(1.0 - padding_fraction, 6),
+        "overlength": {"policy": overlength, "truncated": stats.truncated,
+                       "dropped": stats.dropped_overlength, "dropped_no_loss_after_truncation": stats.dropped_no_loss},
+        "bad_rows": {"policy": on_bad_row, "skipped": stats.bad_rows, "first": stats.first_bad},
+        "tokens_dtype": "int32",
+        "_fill": used,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare", description=__doc__.split("\n")[0])
+    ap.add_argument("--input", nargs="+", required=True, help=".jsonl / .jsonl.gz files or directories of them")
+    ap.add_argument("--tokenizer", required=True, help="local HF tokenizer directory")
+    ap.add_argument("--seq-len", type=int, required=True, help="packed example length (tokens)")
+    ap.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {% generation %} markers")
+    ap.add_argument("--packing", choices=["greedy", "bfd"], default="greedy")
+    ap.add_argument("--overlength", choices=["truncate", "drop"], default="truncate")
+    ap.add_argument("--on-bad-row", choices=["error", "skip"], default="error")
+    ap.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    ap.add_argument("--max-docs-per-pack", type=int, default=64)
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        m = prepare(a.input, a.tokenizer, a.seq_len, a.out, a.chat_template, a.packing, a.overlength,
+                    a.on_bad_row, a.workers, a.max_docs_per_pack, a.overwrite, progress=not a.quiet)
+    except PrepareError as e:
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"prepare: wrote {a.out}: {m['n_packs']} packs of {m['max_seq_len']} tokens, {m['n_documents']} documents, "
+          f"{m['n_assistant_tokens']} assistant tokens, padding {m['padding_fraction']:.1%}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The recipe's data order, sharded by data-parallel rank and resumable.
+
+Step s (0-based) uses packed examples ``order[(s * B + i) mod n_packs]`` for i = 0..B-1 (recipe item 5), where
+``order`` is the identity (the recipe) or a seeded permutation drawn once. Rank r of W takes the contiguous slice
+``i in [r * B / W, (r + 1) * B / W)``, so the ranks together cover exactly the 1-rank global batch, in order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RecipeSampler:
+    def __init__(self, n_packs: int, global_batch: int, dp_rank: int = 0, dp_world: int = 1,
+                 shuffle: bool = False, seed: int = 0):
+        if global_batch % dp_world:
+            raise ValueError(
+                f"training.global_batch_size={global_batch} must be divisible by the data-parallel ranks ({dp_world})"
+            )
+        self.n_packs, self.global_batch = n_packs, global_batch
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.shuffle, self.seed = shuffle, seed
+        self.order = np.random.default_rng(seed).permutation(n_packs) if shuffle else None
+        self.step = 0  # next step to hand out
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp_world
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Pack ids of the whole global batch of ``step``, in order."""
+        idx = (step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)) % self.n_packs
+        return self.order[idx] if self.order is not None else idx
+
+    def local_positions(self) -> np.ndarray:
+        """This rank's positions i inside the global batch."""
+        return np.arange(self.dp_rank * self.local_batch, (self.dp_rank + 1) * self.local_batch)
+
+    def next(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """(step, global pack ids of the step, this rank's positions in it); advances the position."""
+        step = self.step
+        self.step += 1
+        return step, self.global_indices(step), self.local_positions()
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "n_packs": self.n_packs, "global_batch": self.global_batch,
+                "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("n_packs", "global_batch", "shuffle", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"cannot resume the data order: checkpoint has {key}={state[key]}, "
+                                 f"this run has {getattr(self, key)}")
+        self.step = int(state["step"])
