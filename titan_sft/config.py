@@ -113,6 +113,15 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    # JSONL of held-out chats; after the final export, rank 0 greedily decodes each prompt with transformers and
+    # reports exact-match accuracy of the last assistant turn. Empty disables it.
+    generation_eval_path: str = ""
+    max_new_tokens: int = 32
+    max_examples: int = 200
+
+
+@dataclass
 class Parallelism:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1 = the rest of the ranks
@@ -129,6 +138,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -17,9 +17,10 @@ IGNORE_INDEX = -100
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    def forward(ctx, hidden, weight, labels, weights, chunk_size: int):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
+        w_all = None if weights is None else weights.reshape(-1).float()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if need_h else None
@@ -27,14 +28,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk_size):
             hc, yc = h[start : start + chunk_size], y[start : start + chunk_size]
             logits = F.linear(hc, weight).float()
-            total += F.cross_entropy(logits, yc, ignore_index=IGNORE_INDEX, reduction="sum")
+            valid = yc != IGNORE_INDEX
+            wc = valid.float() if w_all is None else w_all[start : start + chunk_size] * valid
+            ce = F.cross_entropy(logits, yc, ignore_index=IGNORE_INDEX, reduction="none")
+            total += (ce * wc).sum()
             if not (need_h or need_w):
                 continue
-            # d(sum CE)/d logits = softmax - onehot on loss-carrying rows, 0 elsewhere.
-            valid = yc != IGNORE_INDEX
+            # d(sum w * CE)/d logits = w * (softmax - onehot); w is 0 where no loss is carried.
             g = torch.softmax(logits, dim=-1)
             g[valid, yc[valid]] -= 1.0
-            g[~valid] = 0.0
+            g *= wc[:, None]
             g = g.to(hc.dtype)  # the unchunked autograd graph casts here too (logits were .float()-ed)
             if need_h:
                 grad_h[start : start + chunk_size] = g @ weight
@@ -51,24 +54,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = (grad_h * grad_out.to(grad_h.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
         gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def chunked_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int = 4096,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum of token cross-entropies of ``hidden @ weight.T`` against ``labels``, in fp32.
+    """Sum of (optionally weighted) token cross-entropies of ``hidden @ weight.T`` against ``labels``, in fp32.
 
     Args:
         hidden: [..., dim] final hidden states.
         weight: [vocab, dim] output head.
         labels: [...] target ids; ``-100`` carries no loss.
         chunk_size: tokens per chunk; peak extra memory is ``chunk_size * vocab`` fp32 values.
+        weights: optional [...] per-token fp32 weights (the loss-group normalisation: 1 / (G * N_group)).
 
     Returns:
         fp32 scalar; its gradients equal those of the unchunked ``F.cross_entropy(..., reduction="sum")``.
     """
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size)
 
 
 def naive_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ class TrainSpec:
     build_lr_scheduler_fn: Callable
     build_checkpointer_fn: Callable
     build_metrics_fn: Callable
+    export_hf_fn: Callable
     build_validator_fn: Callable | None = None
 
     def replace(self, **changes: Any) -> "TrainSpec":

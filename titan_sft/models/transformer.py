@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.models.attention import AttentionBackend, AttentionMask
 
 
@@ -186,7 +187,8 @@ class Transformer(nn.Module):
     * ``model(..., hidden_only=True)`` -> final-normed hidden states [B, T, dim] (no output head).
     * ``model(..., labels=y)`` -> fp32 scalar: the SUM of token cross-entropies over positions whose label is not
       ``-100``, computed chunk by chunk (``loss_chunk_size`` tokens at a time) so that [tokens, vocab] logits never
-      exist at once. Computing the loss inside ``forward`` keeps the output head under the same FSDP hooks.
+      exist at once. ``loss_weights`` [B, T] weighs each token (loss-group normalisation). Computing the loss
+      inside ``forward`` keeps the output head under the same FSDP hooks.
     """
 
     def __init__(self, args: TransformerArgs):
@@ -226,6 +228,7 @@ class Transformer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
         hidden_only: bool = False,
     ) -> torch.Tensor:
         b, t = input_ids.shape
@@ -240,7 +243,6 @@ class Transformer(nn.Module):
         if hidden_only:
             return h
         if labels is not None:
-            from titan_sft.loss import chunked_cross_entropy_sum
 
-            return chunked_cross_entropy_sum(h, self.output.weight, labels, self.loss_chunk_size)
+            return chunked_cross_entropy_sum(h, self.output.weight, labels, self.loss_chunk_size, loss_weights)
         return self.output(h)

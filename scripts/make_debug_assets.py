@@ -1,0 +1,73 @@
+"""Regenerates the embedded debug assets (deterministic):
+
+* titan_sft/assets/debug_tokenizer/: a byte-level tokenizer (256 byte tokens, no merges) with Qwen3's chat
+  special tokens and the marked Qwen3 chat template;
+* titan_sft/assets/debug_data/{train,heldout}.jsonl: a synthetic chat task with checkable answers
+  ("upper: word" -> WORD, "reverse: word" -> drow);
+* titan_sft/assets/debug_data/packed/: train.jsonl packed at 256 tokens (python -m titan_sft.data.prepare).
+
+Run: python scripts/make_debug_assets.py
+"""
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+ROOT = Path(__file__).resolve().parent.parent / "titan_sft" / "assets"
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def make_tokenizer(out: Path) -> None:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    template = (ROOT / "chat_templates" / "qwen3_marked.jinja").read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096, "chat_template": template}, indent=2))
+
+
+def example(rng: random.Random) -> dict:
+    word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6)))
+    task = rng.choice(["upper", "reverse"])
+    answer = word.upper() if task == "upper" else word[::-1]
+    return {"messages": [{"role": "user", "content": f"{task}: {word}"}, {"role": "assistant", "content": answer}]}
+
+
+def main() -> None:
+    make_tokenizer(ROOT / "debug_tokenizer")
+    rng = random.Random(0)
+    data = ROOT / "debug_data"
+    data.mkdir(parents=True, exist_ok=True)
+    heldout = [example(rng) for _ in range(100)]
+    seen = {json.dumps(x) for x in heldout}
+    train = []
+    while len(train) < 4000:
+        x = example(rng)
+        if json.dumps(x) not in seen:
+            train.append(x)
+    for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout)):
+        (data / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sys.path.insert(0, str(ROOT.parent.parent))
+    from titan_sft.data.prepare import prepare
+
+    shutil.rmtree(data / "packed", ignore_errors=True)
+    prepare([str(data / "train.jsonl")], str(ROOT / "debug_tokenizer"), 256, str(data / "packed"), workers=1)
+    m = json.loads((data / "packed" / "manifest.json").read_text())
+    m["tokenizer"] = "titan_sft/assets/debug_tokenizer"
+    m["inputs"] = ["titan_sft/assets/debug_data/train.jsonl"]
+    (data / "packed" / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Step metrics: a progress line on rank 0, metrics.jsonl, TensorBoard scalars, optional Weights & Biases.
+
+MFU follows torchtitan's convention: FLOPs per token = 6 * N + 12 * n_layers * n_heads * head_dim * seq_len,
+with N the parameters excluding the token embedding, against the GPU's dense bf16 peak. (Document masking makes
+the true attention cost lower; the convention counts full causal attention, as torchtitan does.)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s per GPU model (no sparsity).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362e12, "B200": 2250e12, "GB200": 2450e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def flops_per_token(args, seq_len: int) -> float:
+    n = args.num_params() - args.vocab_size * args.dim  # embedding lookups are not matmuls
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+class MetricsLogger:
+    def __init__(self, dump_folder: str, rank: int, cfg, device: torch.device, total_steps: int, run_config: dict):
+        self.rank, self.cfg, self.device, self.total = rank, cfg, device, total_steps
+        self.peak = peak_flops(device)
+        self.t_start = time.monotonic()
+        self.start_step: int | None = None
+        self.jsonl = self.tb = self.wandb = None
+        if rank != 0:
+            return
+        Path(dump_folder).mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a")
+        if cfg.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(dump_folder) / "tb"))
+        if cfg.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.wandb_project, id=cfg.wandb_id or None, resume="allow",
+                                    config=run_config, dir=dump_folder)
+
+    def log(self, record: dict) -> None:
+        """Writes one record (train or validation); prints a progress line for train records."""
+        if self.rank != 0:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        split = record.get("split", "train")
+        step = record["step"]
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                if self.tb:
+                    self.tb.add_scalar(f"{split}/{key}", value, step)
+        if self.wandb:
+            self.wandb.log({f"{split}/{k}": v for k, v in record.items() if k != "split"}, step=step)
+        if split == "train":
+            if self.start_step is None:
+                self.start_step, self.t_start = step - 1, time.monotonic() - record["step_time_s"]
+            done = step - self.start_step
+            eta = (time.monotonic() - self.t_start) / done * (self.total - step)
+            mem = f" mem {record['memory_gib']:.1f}GiB" if record.get("memory_gib") is not None else ""
+            mfu = f" mfu {record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+            print(f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.3e}  "
+                  f"grad_norm {record['grad_norm']:.3f}  tok/s/dev {record['tokens_per_s']:,.0f}{mfu}{mem}  "
+                  f"eta {_fmt_time(eta)}", flush=True)
+        else:
+            print(" ".join(f"{k} {v}" for k, v in record.items()), flush=True)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def _fmt_time(sec: float) -> str:
+    sec = int(sec)
+    return f"{sec // 3600}:{sec % 3600 // 60:02d}:{sec % 60:02d}"
