@@ -57,6 +57,9 @@ class Data:
 @dataclass
 class Training:
     steps: int = 0  # 0 = 8 epochs over the packed data (the recipe)
+    # Stop cleanly (with a checkpoint) after this many completed steps, keeping the schedule of `steps`;
+    # 0 runs to the end. Splits a long job into chunks (and tests resumption).
+    stop_at_step: int = 0
     global_batch_size: int = 8
     per_device_batch: int = 1
     loss_groups: int = 1
@@ -308,6 +311,7 @@ def validate(cfg: JobConfig) -> None:
 
     t, o, s, c = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
     need(t.steps >= 0, "training.steps", ">= 0 (0 = 8 epochs)", t.steps)
+    need(t.stop_at_step >= 0, "training.stop_at_step", ">= 0 (0 = run to the end)", t.stop_at_step)
     need(t.global_batch_size >= 1, "training.global_batch_size", ">= 1", t.global_batch_size)
     need(t.per_device_batch >= 1, "training.per_device_batch", ">= 1", t.per_device_batch)
     need(t.loss_groups >= 1, "training.loss_groups", ">= 1", t.loss_groups)

@@ -277,11 +277,13 @@ class Trainer:
             if cfg.checkpoint.enable:
                 self.checkpointer.maybe_save(self.step, self.total_steps)
             self._maybe_export()
-            if self._stop_requested():
+            planned_stop = self.step == cfg.training.stop_at_step and self.step < self.total_steps
+            if self._stop_requested() or planned_stop:
                 if cfg.checkpoint.enable:
                     self.checkpointer.save(self.step, temp=True)
                 if self.rank == 0:
-                    print(f"[signal] stopped after step {self.step}; checkpoint saved", flush=True)
+                    why = "training.stop_at_step" if planned_stop else f"signal {self.stop_signal}"
+                    print(f"[stop] {why}: stopped after step {self.step}; checkpoint saved", flush=True)
                 return
         if self.rank == 0:
             print(f"training done: {self.step} steps", flush=True)
