@@ -1,0 +1,62 @@
+"""The shipped configs carry the recipe's values; --dry-run prints the plan without building real weights."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_sft.config import load_config
+from titan_sft.registry import TrainSpec, get_train_spec, list_train_specs, register_train_spec
+from titan_sft.train import dry_run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RECIPES = {  # recipe.md table: lr, wd, warmup, max_grad_norm, global batch, steps
+    "qwen3_8b": (5e-6, 0.01, 0.05, 1.0, 64, 2000),
+    "qwen3_4b": (2e-5, 0.0, 0.03, 0.2, 128, 0),
+    "qwen3_1_7b": (2e-5, 0.0, 0.03, 0.2, 128, 0),
+}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_values(name):
+    c = load_config(ROOT / "train_configs" / f"{name}.toml")
+    lr, wd, warmup, clip, batch, steps = RECIPES[name]
+    assert (c.optimizer.lr, c.optimizer.weight_decay, c.lr_scheduler.warmup, c.training.max_grad_norm) == (lr, wd, warmup, clip)
+    assert (c.training.global_batch_size, c.training.steps, c.training.loss_groups) == (batch, steps, 2)
+    assert (c.lr_scheduler.decay, c.lr_scheduler.min_lr_ratio, c.lr_scheduler.decay_type) == (0.9, 0.1, "cosine")
+    assert (c.optimizer.beta1, c.optimizer.beta2, c.optimizer.eps) == (0.9, 0.999, 1e-8)
+    assert (c.checkpoint.interval, c.checkpoint.hf_export_interval, c.checkpoint.hf_export_dtype) == (20, 100, "bfloat16")
+    assert c.data.shuffle is False and c.model.reset_positions_per_document is False
+
+
+def test_dry_run_plan_for_the_8b_recipe_shape():
+    cfg = load_config(ROOT / "train_configs" / "qwen3_8b.toml", [
+        "--data.path", "titan_sft/assets/debug_data/packed", "--model.init_from_hf", "false"])
+    text = dry_run(cfg)
+    assert "warmup 100 / stable 100 / decay 1800" in text  # int(0.05*2000), the rest, int(0.9*2000)
+    assert "0: 0," in text and "final lr 5e-07" in text
+    assert "labels 100, 200, 300, 400, ..., 1900, 1999" in text  # HF export cadence
+    assert "64 packed examples" in text and "excluded" in text
+
+
+def test_dry_run_cli_and_bad_key():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "titan_sft.train", "--config",  # noqa: E731
+                                     "train_configs/debug_model.toml", *a], cwd=ROOT, capture_output=True, text=True)
+    ok = run("--dry-run")
+    assert ok.returncode == 0 and "steps: 200 (explicit)" in ok.stdout
+    bad = run("--dry-run", "--training.stepz", "3")
+    assert bad.returncode == 2 and "training.stepz" in bad.stderr and "did you mean 'steps'" in bad.stderr
+
+
+def test_registry_lookup_and_register():
+    assert {"qwen3", "llama3"} <= set(list_train_specs())
+    with pytest.raises(KeyError, match="known: .*llama3.*qwen3"):
+        get_train_spec("gpt2")
+    custom = get_train_spec("qwen3").replace(name="my_qwen3")
+    register_train_spec(custom)
+    assert get_train_spec("my_qwen3") is custom
+    with pytest.raises(ValueError, match="already registered"):
+        register_train_spec(custom)
+    assert isinstance(custom, TrainSpec)
