@@ -102,7 +102,8 @@ class Checkpoint:
     temp_interval_minutes: float = 10.0
     keep_latest_k: int = 0  # 0 keeps all
     resume: str = "auto"  # auto | none | a checkpoint path
-    async_mode: Literal["disabled", "async"] = "disabled"
+    # Asynchronous saving is not implemented yet; only "disabled" is accepted (an error names the key otherwise).
+    async_mode: Literal["disabled"] = "disabled"
     hf_export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     hf_max_shard_size_gb: float = 5.0
 
