@@ -36,7 +36,9 @@ def main() -> None:
     native = load_hf(path).train()
     hf.train()
     n_params = sum(p.numel() for p in native.parameters())
-    lens = [700, 1200, 300, 900, a.tokens - 3100]
+    # five documents of fixed proportions (700/1200/300/900/996 of 4096)
+    lens = [a.tokens * k // 4096 for k in (700, 1200, 300, 900)]
+    lens.append(a.tokens - sum(lens))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     x = torch.randint(0, cfg.vocab_size, (1, a.tokens))
     mask = dense_document_mask(cu, a.tokens, causal=True)[None, None]
