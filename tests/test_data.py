@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from titan_sft.data.chat import TEMPLATE_DIR, encoder_for, load_tokenizer
 from titan_sft.data.collator import collate
@@ -233,3 +234,45 @@ def test_sampler_recipe_order_sharding_and_resume():
     assert sorted(np.concatenate([a.global_indices(k) for k in range(5)]).tolist()) == sorted(list(range(10)) * 2)
     with pytest.raises(ValueError, match="global_batch_size"):
         RecipeSampler(10, 5, 0, 2)
+
+
+def test_llama3_marked_template_masks_assistant_content_and_eot():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (TEMPLATE_DIR / "llama3_marked.jinja").read_text()
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": " hi "},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a2\n"}]
+    texts, spans = render_jinja_template(conversations=[chat], chat_template=template,
+                                         return_assistant_tokens_mask=True, bos_token="<|begin_of_text|>")
+    h = lambda r: f"<|start_header_id|>{r}<|end_header_id|>\n\n"  # noqa: E731
+    assert texts[0] == ("<|begin_of_text|>" + h("system") + "S<|eot_id|>" + h("user") + "hi<|eot_id|>"
+                        + h("assistant") + "yo<|eot_id|>" + h("user") + "q<|eot_id|>" + h("assistant") + "a2<|eot_id|>")
+    assert [texts[0][s:e] for s, e in spans[0]] == ["yo<|eot_id|>", "a2<|eot_id|>"]
+
+
+def test_batch_loader_prefetches_the_recipe_order(tmp_path):
+    from titan_sft.data.loader import BatchLoader
+
+    ds = PackedDataset("titan_sft/assets/debug_data/packed")
+    sampler = RecipeSampler(len(ds), 4, dp_rank=1, dp_world=2)
+    loader = BatchLoader(ds, sampler, per_device_batch=1, loss_groups=2)
+    loader.start(first_step=195)
+    try:
+        for step in range(195, 199):  # crosses the wraparound at n_packs
+            got = loader.next()
+            assert got.step == step
+            ids = sampler.global_indices(step)
+            assert got.global_ids.tolist() == ids.tolist()
+            want = [collate([ds[int(ids[i])]], [i // 2]) for i in (2, 3)]  # rank 1 of 2: positions 2, 3 = group 1
+            for a, b in zip(got.microbatches, want):
+                assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+                assert a.groups.unique().tolist() == [1]
+    finally:
+        loader.close()
+    bad = BatchLoader(ds, RecipeSampler(len(ds), 4), per_device_batch=1, loss_groups=2)
+    bad.dataset = None
+    bad.start(0)
+    with pytest.raises(TypeError):
+        bad.next()
+    bad.close()

@@ -67,3 +67,29 @@ def test_resume_is_exact_and_reshards(tmp_path):
     resharded = run(1, tmp_path / "reshard", *steps)
     for a, b in zip(resharded[4:], straight[4:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_stops_every_rank_cleanly_with_a_checkpoint(tmp_path, sig):
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "titan_sft.train", "--config", "train_configs/debug_model.toml", *BASE,
+           "--training.steps", "10000", "--job.dump_folder", str(dump)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    metrics = dump / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    os.killpg(proc.pid, getattr(signal, sig))  # what Ctrl-C (or a scheduler) does: every process gets it
+    out, _ = proc.communicate(timeout=120)
+    assert "[stop] signal" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    meta = json.loads((dump / "checkpoints-temp" / "meta.json").read_text())
+    assert meta["step"] >= 3 and meta["world_size"] == 2
+    assert meta["step"] == json.loads(metrics.read_text().splitlines()[-1])["step"]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -164,6 +165,11 @@ class CheckpointManager:
         meta = read_meta(path)
         if meta is None:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
+        if meta.get("kind") == "weights_only":  # written by `convert from-hf`: a starting point, step 0
+            state = {"model": get_model_state_dict(self.model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(self.model, state["model"])
+            return 0
         state = self._state()
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
@@ -183,10 +189,47 @@ class CheckpointManager:
         for step, path in find_checkpoints(self.root):
             try:
                 return self.load(path)
-            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to the next newest
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: fall back to the next newest
                 if _rank() == 0:
                     print(f"[checkpoint] cannot resume from {path}: {e}; trying an older one", flush=True)
         return 0
+
+
+def hf_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an HF directory's tensors, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    from titan_sft.models import hf_safetensors_files
+
+    shapes = {}
+    for file in hf_safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def load_hf_weights(model, args, path: str | Path) -> None:
+    """Loads an HF directory (one file or sharded with an index) straight into the (sharded) ``model``.
+
+    Each rank reads only the slices of its own shards through DCP's ``HuggingFaceStorageReader``; no rank builds
+    a whole copy. Names and shapes are checked against the safetensors headers first, so a missing tensor or a
+    shape (vocab) mismatch is an error naming the tensor.
+    """
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    adapter = StateDictAdapter(args)
+    hf_state = adapter.to_hf(get_model_state_dict(model))
+    shapes = hf_tensor_shapes(path)
+    for name, tensor in hf_state.items():
+        if name not in shapes:
+            raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
+    # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
+    # again keeps this correct for wrappers whose state dict holds copies.
+    set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
 
 
 def export_hf(model, args, out_dir: str | Path, dtype: str = "bfloat16", tokenizer_dir: str | None = None,

@@ -101,6 +101,10 @@ class Trainer:
 
         self.sampler = RecipeSampler(len(self.dataset), cfg.training.global_batch_size, self.dp_rank, self.dp_world,
                                      cfg.data.shuffle, cfg.data.shuffle_seed)
+        from titan_sft.data.loader import BatchLoader
+
+        self.loader = BatchLoader(self.dataset, self.sampler, cfg.training.per_device_batch, cfg.training.loss_groups,
+                                  cfg.model.reset_positions_per_document, pin_memory=torch.cuda.is_available())
         if self.sampler.local_batch % cfg.training.per_device_batch:
             raise ConfigError(
                 f"config key 'training.per_device_batch': {cfg.training.per_device_batch} must divide the per-rank "
@@ -157,24 +161,39 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
 
     def _init_weights(self, model) -> None:
-        """Seeded random init or HF weights, identical for any world size: rank 0 builds the full state on CPU
-        and every rank receives its shards (``broadcast_from_rank0``)."""
+        """HF weights (each rank reads its own shards) or a seeded random init that is identical for any world
+        size: rank 0 builds the full state on CPU and every rank receives its shards (``broadcast_from_rank0``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        if self.cfg.model.init_from_hf:
+            from titan_sft.checkpoint import load_hf_weights
+
+            load_hf_weights(model, self.args, self.cfg.model.hf_assets_path)
+            self._report_vocab()
+            return
         full = {}
         if self.rank == 0:
-            if self.cfg.model.init_from_hf:
-                from titan_sft.models import load_hf
-
-                full = load_hf(self.cfg.model.hf_assets_path).state_dict()
-            else:
-                with torch.device("meta"):
-                    cpu_model = self.spec.model_cls(self.args)
-                cpu_model.to_empty(device="cpu")
-                torch.manual_seed(self.cfg.job.seed)
-                cpu_model.init_weights()
-                full = cpu_model.state_dict()
+            with torch.device("meta"):
+                cpu_model = self.spec.model_cls(self.args)
+            cpu_model.to_empty(device="cpu")
+            torch.manual_seed(self.cfg.job.seed)
+            cpu_model.init_weights()
+            full = cpu_model.state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def _report_vocab(self) -> None:
+        tok_dir = self.tokenizer_dir()
+        if self.rank != 0 or not tok_dir:
+            return
+        try:
+            n = len(self.spec.build_tokenizer_fn(self.cfg))
+        except (OSError, ValueError):
+            print(f"[init] loaded {self.cfg.model.hf_assets_path}; no tokenizer found to compare with vocab_size "
+                  f"{self.args.vocab_size}", flush=True)
+            return
+        note = "" if n <= self.args.vocab_size else " -- MORE than the model's embeddings: ids past it will fail"
+        print(f"[init] loaded {self.cfg.model.hf_assets_path}; tokenizer has {n} tokens, model vocab_size "
+              f"{self.args.vocab_size}{note}", flush=True)
 
     def _install_signal_handlers(self) -> None:
         def handler(signum, frame):
@@ -185,19 +204,10 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        from titan_sft.data.collator import collate
-
         cfg = self.cfg.training
         G, B = cfg.loss_groups, cfg.global_batch_size
-        step, global_ids, positions = self.sampler.next()
-        group_of = positions // (B // G)
-        local_ids = global_ids[positions]
-        P = cfg.per_device_batch
-        mbs = [
-            collate([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist(),
-                    self.cfg.model.reset_positions_per_document)
-            for k in range(0, len(local_ids), P)
-        ]
+        batch = self.loader.next()
+        step, global_ids, mbs = batch.step, batch.global_ids, batch.microbatches
         counts = torch.zeros(G, dtype=torch.float64)
         for mb in mbs:
             counts += torch.bincount(mb.groups[mb.labels != -100], minlength=G).double()
@@ -269,9 +279,11 @@ class Trainer:
         self._install_signal_handlers()
         self.first_step = self.step
         self.sampler.step = self.step
+        self.loader.start(self.step)
         while self.step < self.total_steps:
             record = self.train_step()
             self.step += 1
+            self.sampler.step = self.step  # the data position a checkpoint records
             if self.step % cfg.metrics.log_freq == 0 or self.step == self.total_steps:
                 self.metrics.log(record)
             if cfg.checkpoint.enable:
@@ -321,6 +333,7 @@ class Trainer:
         print(f"[eval] exact-match accuracy of {self.last_export} on {n} held-out prompts: {acc:.1%}", flush=True)
 
     def close(self) -> None:
+        self.loader.close()
         self.metrics.close()
         dist.barrier()
         dist.destroy_process_group()

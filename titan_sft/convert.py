@@ -1,0 +1,125 @@
+"""``python -m titan_sft.convert``: DCP training checkpoints <-> HF safetensors directories (one process, CPU).
+
+    python -m titan_sft.convert to-hf --checkpoint outputs/run/checkpoints/step-99 --out hf_dir [--dtype bfloat16]
+    python -m titan_sft.convert from-hf --hf Qwen3-0.6B --out start_ckpt [--model qwen3 --flavor 0.6B]
+
+``to-hf`` rebuilds the model from the checkpoint's own saved config (meta.json) and writes what a run's export
+writes. ``from-hf`` writes a weights-only DCP checkpoint; start a run from it with ``--checkpoint.resume PATH``
+(model weights are loaded; optimizer, schedule and data order start fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from titan_sft.checkpoint import export_hf, read_meta
+from titan_sft.config import JobConfig, _set
+from titan_sft.models import build_model, load_hf
+from titan_sft.models.hf_adapter import args_from_hf_config, read_hf_config
+from titan_sft.registry import get_train_spec, spec_for_hf_model_type
+
+
+class ConvertError(RuntimeError):
+    pass
+
+
+def _config_from_meta(meta: dict) -> JobConfig:
+    cfg = JobConfig()
+    for section, table in meta["config"].items():
+        for key, value in table.items():
+            _set(cfg, section, key, value, from_cli=False, where="checkpoint meta.json: ")
+    return cfg
+
+
+def _args_from_config(cfg: JobConfig):
+    if cfg.model.init_from_hf:
+        return args_from_hf_config(read_hf_config(cfg.model.hf_assets_path))
+    return get_train_spec(cfg.model.name).flavors[cfg.model.flavor]
+
+
+def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:
+    """DCP checkpoint -> HF directory, rebuilt from the checkpoint's saved config."""
+    ckpt = Path(checkpoint)
+    meta = read_meta(ckpt)
+    if meta is None:
+        raise ConvertError(f"{ckpt}: not a complete titan_sft checkpoint (no .metadata or meta.json)")
+    cfg = _config_from_meta(meta)
+    args = _args_from_config(cfg)
+    model = build_model(args)
+    model.to_empty(device="cpu")
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(state["model"], strict=False)
+    tok = tokenizer or cfg.model.tokenizer_path or cfg.model.hf_assets_path or None
+    if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        print(f"convert: no tokenizer in {tok}; writing no tokenizer (pass --tokenizer DIR)", file=sys.stderr)
+        tok = None
+    return export_hf(model, args, out, dtype, tok, cfg.checkpoint.hf_max_shard_size_gb)
+
+
+def from_hf(hf: str, out: str, model_name: str | None = None, flavor: str | None = None) -> Path:
+    """HF directory -> weights-only DCP checkpoint (atomic) that a run can start from."""
+    hf_cfg = read_hf_config(hf)
+    spec = get_train_spec(model_name) if model_name else spec_for_hf_model_type(hf_cfg.get("model_type"))
+    model = load_hf(hf)
+    if flavor is not None:
+        want = spec.flavors.get(flavor)
+        if want is None:
+            raise ConvertError(f"--flavor {flavor}: not a {spec.name} flavor; allowed: {', '.join(spec.flavors)}")
+        if want.num_params() != model.args.num_params():
+            raise ConvertError(f"--flavor {flavor}: {want.num_params():,} parameters, the HF model has "
+                               f"{model.args.num_params():,}")
+    out_dir = Path(out)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp), no_dist=True)
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.hf_assets_path, cfg.model.init_from_hf = spec.name, str(hf), True
+    if flavor:
+        cfg.model.flavor = flavor
+    meta = {"step": 0, "label": -1, "kind": "weights_only", "time": time.time(), "source": str(hf),
+            "config": cfg.to_dict()}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.convert", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("to-hf", help="DCP checkpoint -> HF safetensors directory")
+    a.add_argument("--checkpoint", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    a.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's)")
+    b = sub.add_parser("from-hf", help="HF safetensors directory -> DCP checkpoint")
+    b.add_argument("--hf", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--model", default=None)
+    b.add_argument("--flavor", default=None)
+    ns = ap.parse_args(argv)
+    try:
+        if ns.cmd == "to-hf":
+            path = to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer)
+        else:
+            path = from_hf(ns.hf, ns.out, ns.model, ns.flavor)
+    except (ConvertError, FileNotFoundError, ValueError, KeyError) as e:
+        print(f"convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"convert: wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Each step's microbatches, built one or two steps ahead in a background thread.
+
+Reading packs from the memory map, collating them and pinning the result (on GPU) happen off the training
+thread, so the device never waits for the host; copies to the device are then ``non_blocking``. The batches of
+step s depend only on s (the sampler is a pure function of the step), so prefetching never changes the data
+order and resuming at step s simply starts building at s.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from titan_sft.data.collator import Microbatch, collate
+from titan_sft.data.dataset import PackedDataset
+from titan_sft.data.sampler import RecipeSampler
+
+
+@dataclass
+class StepBatch:
+    step: int  # 0-based optimizer step
+    global_ids: np.ndarray  # pack ids of the whole global batch
+    microbatches: list[Microbatch]
+
+
+class BatchLoader:
+    def __init__(self, dataset: PackedDataset, sampler: RecipeSampler, per_device_batch: int, loss_groups: int,
+                 reset_positions: bool = False, pin_memory: bool = False, prefetch: int = 2):
+        self.dataset, self.sampler = dataset, sampler
+        self.per_device_batch, self.loss_groups = per_device_batch, loss_groups
+        self.reset_positions, self.pin_memory, self.prefetch = reset_positions, pin_memory, prefetch
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def build(self, step: int) -> StepBatch:
+        """The microbatches of ``step`` for this rank (synchronously)."""
+        global_ids = self.sampler.global_indices(step)
+        positions = self.sampler.local_positions()
+        group_size = self.sampler.global_batch // self.loss_groups
+        group_of = positions // group_size
+        local_ids = global_ids[positions]
+        P = self.per_device_batch
+        mbs = []
+        for k in range(0, len(local_ids), P):
+            mb = collate([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist(),
+                         self.reset_positions)
+            mbs.append(mb.pin_memory() if self.pin_memory else mb)
+        return StepBatch(step, global_ids, mbs)
+
+    def start(self, first_step: int) -> None:
+        """Starts building steps ``first_step, first_step + 1, ...`` in the background."""
+        self.close()
+        self._stop.clear()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+
+        def work() -> None:
+            step = first_step
+            while not self._stop.is_set():
+                try:
+                    item = self.build(step)
+                except BaseException as e:  # noqa: BLE001 - handed to the training thread, raised there
+                    item = e
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                step += 1
+
+        self._thread = threading.Thread(target=work, name="titan_sft-batches", daemon=True)
+        self._thread.start()
+
+    def next(self) -> StepBatch:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
