@@ -3,7 +3,9 @@
 * titan_sft/assets/debug_tokenizer/: a byte-level tokenizer (256 byte tokens, no merges) with Qwen3's chat
   special tokens and the marked Qwen3 chat template;
 * titan_sft/assets/debug_data/{train,heldout}.jsonl: a synthetic chat task with checkable answers
-  ("upper: abcd" -> ABCD, "next: abcz" -> bcda; four-letter words, so each answer character sits at a fixed distance from its source and a tiny model learns it in minutes on CPU; "reverse" needs a different distance per character and took far longer to learn);
+  ("upper: abcd" -> ABCD: four-letter words, so each answer character sits at a fixed distance from its source
+  and the 0.9M-parameter debug model learns it in ~200 steps on CPU. Mixing in a second task ("reverse: abcd",
+  "next: abcd" -> bcde) kept the same model at chance on the answers for 300 steps, too long for a debug job);
 * titan_sft/assets/debug_data/packed/: train.jsonl packed at 256 tokens (python -m titan_sft.data.prepare).
 
 Run: python scripts/make_debug_assets.py
@@ -39,8 +41,8 @@ def make_tokenizer(out: Path) -> None:
 
 def example(rng: random.Random) -> dict:
     word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(4))
-    task = rng.choice(["upper", "next"])
-    answer = word.upper() if task == "upper" else "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in word)
+    task = "upper"
+    answer = word.upper()
     return {"messages": [{"role": "user", "content": f"{task}: {word}"}, {"role": "assistant", "content": answer}]}
 
 

@@ -62,6 +62,13 @@ def test_resume_is_exact_and_reshards(tmp_path):
     resumed = run(1, tmp_path / "split", *steps)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in straight[4:]]
+    # async saving: checkpoints complete in the background and resume just as exactly
+    async_ = ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"]
+    run(1, tmp_path / "async", *steps, *async_, "--training.stop_at_step", "4")
+    assert sorted(p.name for p in (tmp_path / "async" / "checkpoints").iterdir()) == ["step-2"]
+    resumed = run(1, tmp_path / "async", *steps, *async_)
+    assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in straight[4:]]
+    assert not list((tmp_path / "async").rglob("*.partial"))
     # saved on 2 ranks, resumed on 1
     run(2, tmp_path / "reshard", *steps, "--training.stop_at_step", "4")
     resharded = run(1, tmp_path / "reshard", *steps)
@@ -93,3 +100,19 @@ def test_signal_stops_every_rank_cleanly_with_a_checkpoint(tmp_path, sig):
     meta = json.loads((dump / "checkpoints-temp" / "meta.json").read_text())
     assert meta["step"] >= 3 and meta["world_size"] == 2
     assert meta["step"] == json.loads(metrics.read_text().splitlines()[-1])["step"]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_compile_and_float8_paths(tmp_path):
+    steps = ["--training.steps", "3"]
+    plain = run(1, tmp_path / "plain", *steps)
+    ac = run(1, tmp_path / "ac", *steps, "--training.activation_checkpoint", "full")
+    assert [r["loss"] for r in ac] == [r["loss"] for r in plain]  # recomputation changes nothing
+    sel = run(1, tmp_path / "sel", *steps, "--training.activation_checkpoint", "selective")
+    assert [r["loss"] for r in sel] == [r["loss"] for r in plain]
+    comp = run(1, tmp_path / "compile", *steps, "--training.compile", "true")
+    for a, b in zip(comp, plain):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])
+    f8 = run(1, tmp_path / "f8", *steps, "--training.float8", "true")  # emulated on CPU
+    for a, b in zip(f8, plain):
+        assert abs(a["loss"] - b["loss"]) <= 0.02 * abs(b["loss"]) and a["loss"] != b["loss"]

@@ -108,6 +108,8 @@ class CheckpointManager:
         self.model, self.optimizer, self.lr_scheduler, self.sampler = model, optimizer, lr_scheduler, sampler
         self.run_config = run_config
         self.last_temp_time = time.monotonic()
+        self._pending = None  # (future or None, tmp dir, final dir, meta) of a save not yet renamed into place
+        self._async_pg = None
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -116,29 +118,52 @@ class CheckpointManager:
         }
 
     def save(self, completed_steps: int, temp: bool = False) -> Path:
+        """Writes a checkpoint to ``<name>.partial`` and renames it into place when complete.
+
+        In async mode this returns once the state is staged in host memory; the write finishes in the background
+        and is finalised by :meth:`wait` (called before the next save and at the end of the run).
+        """
+        self.wait()
         final = self.root / "checkpoints-temp" if temp else self.root / "checkpoints" / f"step-{label(completed_steps)}"
         tmp = final.with_name(final.name + ".partial")
         _prepare_dir(tmp)
-        dcp.save(self._state(), checkpoint_id=str(tmp))
-        if _rank() == 0:
-            meta = {
-                "step": completed_steps,
-                "label": label(completed_steps),
-                "kind": "temp" if temp else "regular",
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "time": time.time(),
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "torch_rng": torch.get_rng_state().tolist(),
-                "config": self.run_config,
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta))
-        _finalize(tmp, final)
+        meta = {
+            "step": completed_steps,
+            "label": label(completed_steps),
+            "kind": "temp" if temp else "regular",
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "time": time.time(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "torch_rng": torch.get_rng_state().tolist(),
+            "config": self.run_config,
+        }
+        if self.cfg.async_mode == "async":
+            if self._async_pg is None:  # a separate group, so background writes never interleave with training
+                self._async_pg = dist.new_group(backend="gloo")
+            future = dcp.async_save(self._state(), checkpoint_id=str(tmp), process_group=self._async_pg)
+            self._pending = (future, tmp, final, meta)
+        else:
+            dcp.save(self._state(), checkpoint_id=str(tmp))
+            self._pending = (None, tmp, final, meta)
+            self.wait()
         if temp:
             self.last_temp_time = time.monotonic()
-        else:
-            self._prune()
         return final
+
+    def wait(self) -> None:
+        """Finishes the pending save: waits for its write, adds meta.json, renames it into place, prunes."""
+        if self._pending is None:
+            return
+        future, tmp, final, meta = self._pending
+        self._pending = None
+        if future is not None:
+            future.result()
+        if _rank() == 0:
+            (tmp / "meta.json").write_text(json.dumps(meta))
+        _finalize(tmp, final)
+        if meta["kind"] == "regular":
+            self._prune()
 
     def _prune(self) -> None:
         k = self.cfg.keep_latest_k

@@ -98,12 +98,13 @@ class LRScheduler:
 class Checkpoint:
     enable: bool = True
     interval: int = 20
-    hf_export_interval: int = 100
+    hf_export_interval: int = 100  # 0: only after the final step; -1: never
     temp_interval_minutes: float = 10.0
     keep_latest_k: int = 0  # 0 keeps all
     resume: str = "auto"  # auto | none | a checkpoint path
-    # Asynchronous saving is not implemented yet; only "disabled" is accepted (an error names the key otherwise).
-    async_mode: Literal["disabled"] = "disabled"
+    # "async": the state is staged to host memory and written by a background thread while training goes on;
+    # the checkpoint is renamed into place (complete) once written, at the latest before the next save.
+    async_mode: Literal["disabled", "async"] = "disabled"
     hf_export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     hf_max_shard_size_gb: float = 5.0
 
@@ -334,7 +335,8 @@ def validate(cfg: JobConfig) -> None:
         need(v <= 1 or float(v).is_integer(), f"lr_scheduler.{key}", "a fraction <= 1 or a whole number of steps", v)
     need(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "0 <= ratio <= 1", s.min_lr_ratio)
     need(c.interval >= 1, "checkpoint.interval", ">= 1", c.interval)
-    need(c.hf_export_interval >= 0, "checkpoint.hf_export_interval", ">= 0 (0 = only at the end)", c.hf_export_interval)
+    need(c.hf_export_interval >= -1, "checkpoint.hf_export_interval", ">= 0 (0 = only at the end) or -1 (never)",
+         c.hf_export_interval)
     need(c.temp_interval_minutes >= 0, "checkpoint.temp_interval_minutes", ">= 0 (0 disables)", c.temp_interval_minutes)
     need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", ">= 0 (0 keeps all)", c.keep_latest_k)
     need(c.hf_max_shard_size_gb > 0, "checkpoint.hf_max_shard_size_gb", "> 0", c.hf_max_shard_size_gb)

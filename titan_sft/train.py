@@ -120,7 +120,7 @@ class Trainer:
         with torch.device("meta"):
             model = spec.model_cls(self.args)
         model.loss_chunk_size = cfg.training.loss_chunk_size
-        spec.parallelize_fn(model, self.mesh, cfg.training)
+        spec.parallelize_fn(model, self.mesh, cfg.training, self.device)
         model.to_empty(device=self.device)
         self._init_weights(model)
         self.model = model
@@ -310,7 +310,7 @@ class Trainer:
         from titan_sft.checkpoint import hook_fires, label
 
         c = self.cfg.checkpoint
-        if not hook_fires(self.step, self.total_steps, c.hf_export_interval):
+        if c.hf_export_interval < 0 or not hook_fires(self.step, self.total_steps, c.hf_export_interval):
             return
         path = Path(self.cfg.job.dump_folder) / "hf" / f"step-{label(self.step)}"
         self.spec.export_hf_fn(self.model, self.args, path, c.hf_export_dtype, self.tokenizer_dir(),
@@ -333,6 +333,7 @@ class Trainer:
         print(f"[eval] exact-match accuracy of {self.last_export} on {n} held-out prompts: {acc:.1%}", flush=True)
 
     def close(self) -> None:
+        self.checkpointer.wait()
         self.loader.close()
         self.metrics.close()
         dist.barrier()
@@ -360,7 +361,7 @@ def dry_run(cfg: JobConfig) -> str:
     c = cfg.checkpoint
     from titan_sft.checkpoint import hook_fires, label
 
-    exports = [label(s) for s in range(1, T + 1) if hook_fires(s, T, c.hf_export_interval)]
+    exports = [label(s) for s in range(1, T + 1) if c.hf_export_interval >= 0 and hook_fires(s, T, c.hf_export_interval)]
     ckpts = [label(s) for s in range(1, T + 1) if hook_fires(s, T, c.interval)]
     short = lambda xs: ", ".join(map(str, xs)) if len(xs) <= 8 else ", ".join(map(str, xs[:4] + ["..."] + xs[-2:]))  # noqa: E731
     lines = [

@@ -15,14 +15,22 @@ from titan_sft.config import Training
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def apply_float8(model: nn.Module) -> None:
-    """torchao float8 training for every block linear (dims divisible by 16); the output head stays bf16."""
+def float8_supported(device: torch.device) -> bool:
+    """float8 matmuls need an NVIDIA GPU of compute capability 8.9 (Ada) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def apply_float8(model: nn.Module, emulate: bool = False) -> None:
+    """torchao float8 training for every block linear (dims divisible by 16); the output head stays bf16.
+
+    ``emulate`` runs the float8 casts with bf16/fp32 matmuls (CPU tests of this code path).
+    """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, nn.Linear) and fqn.startswith("layers.") and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
-    convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=keep)
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate), module_filter_fn=keep)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -60,10 +68,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: Training) -> nn.Module:
-    """Applies the features selected in ``[training]`` and shards ``model`` over ``mesh`` (in place)."""
+def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: Training,
+                            device: torch.device = torch.device("cpu")) -> nn.Module:
+    """Applies the features selected in ``[training]`` and shards ``model`` over ``mesh`` (in place).
+
+    float8 is hardware-gated: on a GPU older than SM 8.9 the run continues in bf16 (and says so); on CPU the
+    float8 path is emulated, which only serves testing.
+    """
     if cfg.float8:
-        apply_float8(model)
+        if device.type == "cuda" and not float8_supported(device):
+            print(f"[parallelize] float8 needs compute capability >= 8.9, {torch.cuda.get_device_name(device)} has "
+                  f"{torch.cuda.get_device_capability(device)}: training in bf16 instead", flush=True)
+        else:
+            apply_float8(model, emulate=device.type != "cuda")
     if cfg.activation_checkpoint != "none":
         apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if cfg.compile:

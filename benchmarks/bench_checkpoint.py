@@ -1,0 +1,76 @@
+"""Checkpoint save / load / HF export throughput, and how long async saving blocks the training loop.
+
+    python benchmarks/bench_checkpoint.py --params 1e9 --dir /tmp/ckpt_bench
+
+One process (gloo group of 1), an fp32 model state of ``--params`` parameters (Qwen3-shaped, dim 2048), on local
+disk. Prints GB/s for each operation and the ratio of the async blocking time to a synchronous save.
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=float, default=1e9)
+    ap.add_argument("--dir", default="/tmp/titan_sft_ckpt_bench")
+    ap.add_argument("--runs", type=int, default=3)
+    a = ap.parse_args()
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    dist.init_process_group("gloo")
+    from titan_sft.checkpoint import export_hf
+    from titan_sft.models import build_model
+    from titan_sft.models.qwen3 import QWEN3_FLAVORS
+
+    base = QWEN3_FLAVORS["1.7B"]
+    per_layer = base.num_params() - dataclasses.replace(base, n_layers=0).num_params()
+    fixed = dataclasses.replace(base, n_layers=0).num_params()
+    layers = max(1, round((a.params - fixed) / per_layer))
+    args = dataclasses.replace(base, n_layers=layers)
+    model = build_model(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    gb = sum(p.numel() * 4 for p in model.parameters()) / 1e9
+    root = Path(a.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    state = {"model": model.state_dict()}
+    pg = dist.new_group(backend="gloo")
+
+    def timed(fn):
+        ts = []
+        for i in range(a.runs):
+            t = time.perf_counter()
+            fn(i)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    t_save = timed(lambda i: dcp.save(state, checkpoint_id=str(root / f"sync{i}")))
+    futures = []
+    t_block = timed(lambda i: futures.append(dcp.async_save(state, checkpoint_id=str(root / f"async{i}"), process_group=pg)))
+    for f in futures:
+        f.result()
+    t_load = timed(lambda i: dcp.load(state, checkpoint_id=str(root / f"sync{i}")))
+    t_export = timed(lambda i: export_hf(model, args, root / f"hf{i}", "bfloat16"))
+    print(f"state: {args.num_params() / 1e9:.2f}B params, {gb:.2f} GB fp32 (Qwen3 dim 2048, {layers} layers)")
+    print(f"DCP save   {t_save:.2f}s  {gb / t_save:.2f} GB/s")
+    print(f"DCP load   {t_load:.2f}s  {gb / t_load:.2f} GB/s")
+    print(f"HF export (bf16) {t_export:.2f}s  {gb / t_export:.2f} GB/s of fp32 state")
+    print(f"async save blocks the loop {t_block:.2f}s = {100 * t_block / t_save:.0f}% of a synchronous save")
+    shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
