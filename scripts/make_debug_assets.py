@@ -1,7 +1,7 @@
 """Regenerates the embedded debug assets (deterministic):
 
-* titan_sft/assets/debug_tokenizer/: a byte-level tokenizer (256 byte tokens, no merges) with Qwen3's chat
-  special tokens and the marked Qwen3 chat template;
+* titan_sft/assets/debug_tokenizer/: a byte-level BPE tokenizer (256 byte tokens plus merges for the template's
+  words only) with Qwen3's chat special tokens and the marked Qwen3 chat template;
 * titan_sft/assets/debug_data/{train,heldout}.jsonl: a synthetic chat task with checkable answers
   ("upper: abcd" -> ABCD: four-letter words, so each answer character sits at a fixed distance from its source
   and the 0.9M-parameter debug model learns it in ~200 steps on CPU. Mixing in a second task ("reverse: abcd",
@@ -17,19 +17,22 @@ import shutil
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ROOT = Path(__file__).resolve().parent.parent / "titan_sft" / "assets"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 
 def make_tokenizer(out: Path) -> None:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    """Byte-level BPE whose only merges spell the chat template's words (user, assistant, newline pairs, the
+    task word): conversations get short, while every letter of a task word stays a token of its own."""
+    tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL)
+    snippets = ["system\n", "user\n", "assistant\n", "\n\n", "upper:"] * 50
+    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=2, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(snippets, trainer=trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     template = (ROOT / "chat_templates" / "qwen3_marked.jinja").read_text()
@@ -54,7 +57,7 @@ def main() -> None:
     heldout = [example(rng) for _ in range(100)]
     seen = {json.dumps(x) for x in heldout}
     train = []
-    while len(train) < 4000:
+    while len(train) < 10000:
         x = example(rng)
         if json.dumps(x) not in seen:
             train.append(x)

@@ -17,8 +17,14 @@ fi
 source "$_venv/bin/activate"
 
 _stamp="$_venv/.titan_sft_stamp"
-_want="$(cat "$_root/pyproject.toml" | sha256sum | cut -c1-16) extras=[$_extras]"
-if [ ! -f "$_stamp" ] || ! grep -qxF "$_want" "$_stamp"; then
+_hash="$(sha256sum < "$_root/pyproject.toml" | cut -c1-16)"
+_want="$_hash extras=[$_extras]"
+# An install with extras also serves a run that asks for none (run_train.sh after run_tests.sh).
+_installed() {
+  [ -f "$_stamp" ] || return 1
+  if [ -z "$_extras" ]; then grep -q "^$_hash " "$_stamp"; else grep -qxF "$_want" "$_stamp"; fi
+}
+if ! _installed; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] GPU found: installing titan_sft with a CUDA build of torch"
   elif ! python -c "import torch" >/dev/null 2>&1; then

@@ -45,7 +45,7 @@ def test_dry_run_cli_and_bad_key():
     run = lambda *a: subprocess.run([sys.executable, "-m", "titan_sft.train", "--config",  # noqa: E731
                                      "train_configs/debug_model.toml", *a], cwd=ROOT, capture_output=True, text=True)
     ok = run("--dry-run")
-    assert ok.returncode == 0 and "steps: 200 (explicit)" in ok.stdout
+    assert ok.returncode == 0 and "steps: 250 (explicit)" in ok.stdout
     bad = run("--dry-run", "--training.stepz", "3")
     assert bad.returncode == 2 and "training.stepz" in bad.stderr and "did you mean 'steps'" in bad.stderr
 
