@@ -52,7 +52,10 @@ def test_fp32_export_matches_native_in_transformers(tmp_path, tied):
         assert (hf(x).logits - model(x)).abs().max() < 1e-5
     tok = AutoTokenizer.from_pretrained(out)
     assert len(tok) == model.args.vocab_size == 512
-    assert tok.convert_ids_to_tokens(261) == "<|padding_0|>"
+    from transformers import AutoTokenizer as AT
+
+    n_real = len(AT.from_pretrained(DEBUG_TOK))
+    assert tok.convert_ids_to_tokens(n_real) == "<|padding_0|>" and tok.convert_ids_to_tokens(511) == f"<|padding_{511 - n_real}|>"
     assert not (out / "generation_config.json").exists()
     names = set(load_file(out / "model.safetensors"))
     assert ("lm_head.weight" in names) is (not tied)

@@ -95,8 +95,9 @@ def test_signal_stops_every_rank_cleanly_with_a_checkpoint(tmp_path, sig):
         time.sleep(0.5)
     os.killpg(proc.pid, getattr(signal, sig))  # what Ctrl-C (or a scheduler) does: every process gets it
     out, _ = proc.communicate(timeout=120)
-    assert "[stop] signal" in out, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
+    assert out.count("[stop] signal") == 1, out[-3000:]  # printed by rank 0 once every rank has stopped
+    # torchrun itself reports the signal it received; no rank fails inside titan_sft
+    assert 'titan_sft/' not in out and "Error" not in out.split("[stop] signal")[0], out[-3000:]
     meta = json.loads((dump / "checkpoints-temp" / "meta.json").read_text())
     assert meta["step"] >= 3 and meta["world_size"] == 2
     assert meta["step"] == json.loads(metrics.read_text().splitlines()[-1])["step"]

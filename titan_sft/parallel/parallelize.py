@@ -23,14 +23,19 @@ def float8_supported(device: torch.device) -> bool:
 def apply_float8(model: nn.Module, emulate: bool = False) -> None:
     """torchao float8 training for every block linear (dims divisible by 16); the output head stays bf16.
 
-    ``emulate`` runs the float8 casts with bf16/fp32 matmuls (CPU tests of this code path).
+    Row-wise scaling (one scale per token row of the activations, per output column of the weights): a
+    tensor-wise scale would let one document's activations change another's quantisation, breaking the
+    recipe's document isolation. ``emulate`` runs the float8 casts with bf16/fp32 matmuls (CPU tests).
     """
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, nn.Linear) and fqn.startswith("layers.") and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
 
-    convert_to_float8_training(model, config=Float8LinearConfig(emulate=emulate), module_filter_fn=keep)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
