@@ -30,19 +30,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(hc, weight).float()
             valid = yc != IGNORE_INDEX
             wc = valid.float() if w_all is None else w_all[start : start + chunk_size] * valid
-            ce = F.cross_entropy(logits, yc, ignore_index=IGNORE_INDEX, reduction="none")
-            total += (ce * wc).sum()
+            lse = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, yc.clamp(min=0)[:, None]).squeeze(1)
+            total += ((lse - target_logit) * wc).sum()
             if not (need_h or need_w):
                 continue
-            # d(sum w * CE)/d logits = w * (softmax - onehot); w is 0 where no loss is carried.
-            g = torch.softmax(logits, dim=-1)
+            # d(sum w * CE)/d logits = w * (softmax - onehot), built in place in the logits buffer.
+            g = logits.sub_(lse[:, None]).exp_()
             g[valid, yc[valid]] -= 1.0
-            g *= wc[:, None]
+            g.mul_(wc[:, None])
             g = g.to(hc.dtype)  # the unchunked autograd graph casts here too (logits were .float()-ed)
             if need_h:
-                grad_h[start : start + chunk_size] = g @ weight
+                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
             if need_w:
-                grad_w += (g.t() @ hc).float()
+                if g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)
+                else:
+                    grad_w += (g.t() @ hc).float()
         ctx.save_for_backward(
             grad_h if need_h else torch.empty(0), grad_w.to(weight.dtype) if need_w else torch.empty(0)
         )
