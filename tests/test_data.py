@@ -277,3 +277,31 @@ def test_batch_loader_prefetches_the_recipe_order(tmp_path):
     with pytest.raises(TypeError):
         bad.next()
     bad.close()
+
+
+def test_python_qwen3_renderer_equals_the_stock_template(qwen):
+    import random
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from titan_sft.data.chat import render_qwen3
+
+    rng = random.Random(0)
+    pieces = ["hi", "\n\nlead", "trail\n\n", "<think>t1</think>ans", "<think>\nx\n</think>\n\ny", "a</think>b",
+              "<tool_response>r</tool_response>", "ünï 🙂", "  spaced  "]
+    for _ in range(300):
+        msgs = []
+        if rng.random() < 0.5:
+            msgs.append({"role": "system", "content": rng.choice(pieces)})
+        for _ in range(rng.randint(1, 4)):
+            msgs.append({"role": rng.choice(["user", "user", "system"]), "content": rng.choice(pieces)})
+            m = {"role": "assistant", "content": rng.choice(pieces)}
+            if rng.random() < 0.3:
+                m[rng.choice(["reasoning_content", "reasoning"])] = rng.choice(pieces)
+            msgs.append(m)
+        stock, _ = render_jinja_template(conversations=[msgs], chat_template=qwen.chat_template)
+        marked, spans = render_jinja_template(conversations=[msgs], chat_template=(TEMPLATE_DIR / "qwen3_marked.jinja").read_text(),
+                                              return_assistant_tokens_mask=True)
+        text, mine = render_qwen3(msgs)
+        assert text == stock[0] == marked[0], msgs
+        assert [tuple(s) for s in spans[0]] == mine, msgs

@@ -1,11 +1,13 @@
 """Chat conversations -> token ids + assistant (loss) mask, through a chat template with generation markers.
 
 The mask comes from ``{% generation %}`` spans of the template: transformers' renderer returns their character
-ranges, and a token is an assistant token when its character range overlaps one. The text is tokenized whole,
-exactly as ``tokenizer.apply_chat_template(messages, tokenize=True)`` does, so the ids are identical to it.
+ranges, and the tokens holding a span's first through last character are assistant tokens (as transformers
+decides). The text is tokenized whole, exactly as ``tokenizer.apply_chat_template(messages, tokenize=True)``
+does, so the ids are identical to it.
 
 Qwen3's stock template has no generation markers; pointed at it, we recognise it by hash and use the shipped
-marked equivalent (``assets/chat_templates/qwen3_marked.jinja``), which renders the same text.
+marked equivalent (``assets/chat_templates/qwen3_marked.jinja``), which renders the same text; for speed the
+same text and spans come from :func:`render_qwen3`, a plain-Python rendering tested against both templates.
 """
 
 from __future__ import annotations
@@ -47,6 +49,59 @@ class ResolvedTemplate:
     template: str  # the template actually rendered (has generation markers)
     source: str  # where it came from, for the log and the manifest
     sha256: str  # of the template the user's tokenizer (or --chat-template) holds
+    qwen3: bool = False  # the stock Qwen3 text: render_qwen3 reproduces it without Jinja
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names transformers aliases
+
+
+def render_qwen3(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Qwen3's stock chat template in plain Python: the same text, plus the assistant bodies' character spans.
+
+    About 10x faster than the Jinja template; the tests check it against the template on many conversations.
+    Mirrors the template line by line: the last user query decides which assistant turns keep their reasoning,
+    reasoning comes from ``reasoning_content`` (or an inline ``<think>`` block), and the final turn always gets
+    a think block.
+    """
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+
+    def emit(text: str) -> None:
+        nonlocal pos
+        parts.append(text)
+        pos += len(text)
+
+    if messages[0]["role"] == "system":
+        emit("<|im_start|>system\n" + messages[0]["content"] + "<|im_end|>\n")
+    last_query = len(messages) - 1
+    for index in range(len(messages) - 1, -1, -1):
+        m = messages[index]
+        c = m["content"]
+        if m["role"] == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+            last_query = index
+            break
+    n = len(messages)
+    for i, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        if role == "user" or (role == "system" and i != 0):
+            emit("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
+        elif role == "assistant":
+            reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+            if reasoning is None:
+                reasoning = ""
+                if "</think>" in content:
+                    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                    content = content.split("</think>")[-1].lstrip("\n")
+            emit("<|im_start|>assistant\n")
+            start = pos
+            if i > last_query and (i == n - 1 or reasoning):
+                emit("<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n"))
+            else:
+                emit(content)
+            emit("<|im_end|>\n")
+            spans.append((start, pos))
+    return "".join(parts), spans
 
 
 def resolve_template(tokenizer_template: str | None, override_file: str | None = None) -> ResolvedTemplate:
@@ -68,7 +123,7 @@ def resolve_template(tokenizer_template: str | None, override_file: str | None =
     marked = _stock_hashes().get(sha256(text))
     if marked is not None:
         src = f"{origin} is a known stock template without generation markers; using shipped {marked} (same text)"
-        return ResolvedTemplate((TEMPLATE_DIR / marked).read_text(), src, sha256(text))
+        return ResolvedTemplate((TEMPLATE_DIR / marked).read_text(), src, sha256(text), qwen3=marked == "qwen3_marked.jinja")
     raise ValueError(
         f"{origin} has no {{% generation %}} markers and is not a known stock template, so assistant tokens cannot "
         "be found; pass --chat-template FILE with {% generation %}...{% endgeneration %} around assistant turns"
@@ -104,12 +159,16 @@ def validate_conversation(row: Any) -> list[dict[str, Any]]:
 class ChatEncoder:
     """Renders conversations with a marked template and tokenizes them with offsets (picklable)."""
 
-    def __init__(self, template: str, backend_tokenizer: Any, special_tokens: dict[str, Any]):
+    def __init__(self, template: str, backend_tokenizer: Any, special_tokens: dict[str, Any], qwen3: bool = False):
         self.template = template
+        self.qwen3 = qwen3
         self.tok = backend_tokenizer  # a `tokenizers.Tokenizer`
         self.special_tokens = special_tokens
 
     def render(self, conversations: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
+        if self.qwen3 and not any("tool_calls" in m for c in conversations for m in c):
+            rendered = [render_qwen3(c) for c in conversations]
+            return [t for t, _ in rendered], [s for _, s in rendered]
         from transformers.utils.chat_template_utils import render_jinja_template
 
         texts, spans = render_jinja_template(
@@ -127,11 +186,11 @@ class ChatEncoder:
         out = []
         for enc, conv_spans in zip(encodings, spans):
             ids = np.asarray(enc.ids, dtype=np.int32)
-            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
             mask = np.zeros(len(ids), dtype=np.uint8)
             for s, e in conv_spans:
-                # A token is an assistant token when its characters overlap the span.
-                mask |= ((offsets[:, 0] < e) & (offsets[:, 1] > s)).astype(np.uint8)
+                # The tokens holding the span's first and last characters (as transformers finds them).
+                first, last = enc.char_to_token(s), enc.char_to_token(e - 1)
+                mask[first : last + 1] = 1
             out.append((ids, mask))
         return out
 
@@ -149,7 +208,7 @@ def load_tokenizer(path: str | Path):
 def encoder_for(tokenizer: Any, chat_template_file: str | None = None) -> tuple[ChatEncoder, ResolvedTemplate]:
     resolved = resolve_template(getattr(tokenizer, "chat_template", None), chat_template_file)
     special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
-    return ChatEncoder(resolved.template, tokenizer.backend_tokenizer, special), resolved
+    return ChatEncoder(resolved.template, tokenizer.backend_tokenizer, special, resolved.qwen3), resolved
 
 
 def parse_line(line: str) -> list[dict[str, Any]]:
