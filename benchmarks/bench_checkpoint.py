@@ -57,17 +57,31 @@ def main() -> None:
         return statistics.median(ts)
 
     t_save = timed(lambda i: dcp.save(state, checkpoint_id=str(root / f"sync{i}")))
-    futures = []
-    t_block = timed(lambda i: futures.append(dcp.async_save(state, checkpoint_id=str(root / f"async{i}"), process_group=pg)))
-    for f in futures:
-        f.result()
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    # As the trainer does it: staging in the background too; the loop waits for it only before its next
+    # optimizer step. Reported: the time async_save takes to return, and how long staging runs after that.
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                          use_non_blocking_copy=False))
+    returns, staging = [], []
+    for i in range(a.runs):
+        t = time.perf_counter()
+        resp = dcp.async_save(state, checkpoint_id=str(root / f"async{i}"), process_group=pg, async_stager=stager)
+        returns.append(time.perf_counter() - t)
+        resp.staging_completion.result()
+        staging.append(time.perf_counter() - t)
+        resp.upload_completion.result()
+    stager.close()
+    t_block, t_stage = statistics.median(returns), statistics.median(staging)
     t_load = timed(lambda i: dcp.load(state, checkpoint_id=str(root / f"sync{i}")))
     t_export = timed(lambda i: export_hf(model, args, root / f"hf{i}", "bfloat16"))
     print(f"state: {args.num_params() / 1e9:.2f}B params, {gb:.2f} GB fp32 (Qwen3 dim 2048, {layers} layers)")
     print(f"DCP save   {t_save:.2f}s  {gb / t_save:.2f} GB/s")
     print(f"DCP load   {t_load:.2f}s  {gb / t_load:.2f} GB/s")
     print(f"HF export (bf16) {t_export:.2f}s  {gb / t_export:.2f} GB/s of fp32 state")
-    print(f"async save blocks the loop {t_block:.2f}s = {100 * t_block / t_save:.0f}% of a synchronous save")
+    print(f"async save returns after {t_block:.2f}s = {100 * t_block / t_save:.0f}% of a synchronous save; staging then "
+          f"runs {t_stage:.2f}s ({100 * t_stage / t_save:.0f}%) in the background, overlapping the next step's "
+          "forward/backward (the loop waits only if that step is shorter)")
     shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 

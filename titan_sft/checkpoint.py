@@ -109,7 +109,8 @@ class CheckpointManager:
         self.run_config = run_config
         self.last_temp_time = time.monotonic()
         self._pending = None  # (future or None, tmp dir, final dir, meta) of a save not yet renamed into place
-        self._async_pg = None
+        self._staging = None  # future: the pending async save's copy of the state is complete
+        self._async_pg = self._stager = None
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -140,9 +141,18 @@ class CheckpointManager:
         }
         if self.cfg.async_mode == "async":
             if self._async_pg is None:  # a separate group, so background writes never interleave with training
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
                 self._async_pg = dist.new_group(backend="gloo")
-            future = dcp.async_save(self._state(), checkpoint_id=str(tmp), process_group=self._async_pg)
-            self._pending = (future, tmp, final, meta)
+                cuda = torch.cuda.is_available()
+                # Staging (the copy to host memory) also runs in the background; wait_staged() holds the next
+                # optimizer step until it is done, so the copy overlaps the next forward/backward.
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                            use_async_staging=True, use_non_blocking_copy=cuda))
+            response = dcp.async_save(self._state(), checkpoint_id=str(tmp), process_group=self._async_pg,
+                                      async_stager=self._stager)
+            self._staging = response.staging_completion
+            self._pending = (response.upload_completion, tmp, final, meta)
         else:
             dcp.save(self._state(), checkpoint_id=str(tmp))
             self._pending = (None, tmp, final, meta)
@@ -151,8 +161,15 @@ class CheckpointManager:
             self.last_temp_time = time.monotonic()
         return final
 
+    def wait_staged(self) -> None:
+        """Blocks until a pending async save has copied the state; call before anything mutates it."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
     def wait(self) -> None:
         """Finishes the pending save: waits for its write, adds meta.json, renames it into place, prunes."""
+        self.wait_staged()
         if self._pending is None:
             return
         future, tmp, final, meta = self._pending
@@ -164,6 +181,13 @@ class CheckpointManager:
         _finalize(tmp, final)
         if meta["kind"] == "regular":
             self._prune()
+
+    def close(self) -> None:
+        """Finishes any pending save and stops the staging thread."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _prune(self) -> None:
         k = self.cfg.keep_latest_k

@@ -234,6 +234,7 @@ class Trainer:
             n_tokens += mb.input_ids.numel()
         grad_norm = self._clip_grads(cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
+        self.checkpointer.wait_staged()  # an async save must finish copying the state before it changes
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
@@ -333,7 +334,7 @@ class Trainer:
         print(f"[eval] exact-match accuracy of {self.last_export} on {n} held-out prompts: {acc:.1%}", flush=True)
 
     def close(self) -> None:
-        self.checkpointer.wait()
+        self.checkpointer.close()
         self.loader.close()
         self.metrics.close()
         dist.barrier()
