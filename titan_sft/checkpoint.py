@@ -1,4 +1,5 @@
-"""DCP checkpoints with atomic writes, Levanter's labels and cadence, auto-resume; HF safetensors export.
+"""The checkpointer: DCP checkpoints with atomic writes, Levanter's labels and cadence, auto-resume, and the
+cadence of HF exports (what an export writes is ``titan_sft.hf_io``'s business).
 
 Layout under ``<dump_folder>``::
 
@@ -16,7 +17,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,10 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_sft.config import Checkpoint as CkptConfig
-from titan_sft.models.hf_adapter import StateDictAdapter, hf_config_from_args
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+from titan_sft.atomic import finalize, partial_dir, rank
+from titan_sft.config import JobConfig
+from titan_sft.log import logger
 
 
 def label(completed_steps: int) -> int:
@@ -45,36 +45,6 @@ def hook_fires(completed_steps: int, total_steps: int, period: int) -> bool:
     """Levanter's periodic hook: label > 1 and label % period == 0, and always after the final step."""
     lab = label(completed_steps)
     return completed_steps == total_steps or (period > 0 and lab > 1 and lab % period == 0)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _finalize(tmp: Path, final: Path) -> None:
-    """Rank 0 renames the finished ``tmp`` to ``final`` (replacing an older one); all ranks wait."""
-    _barrier()
-    if _rank() == 0:
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    _barrier()
-
-
-def _prepare_dir(tmp: Path) -> None:
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
 
 
 def read_meta(path: Path) -> dict | None:
@@ -101,14 +71,22 @@ def find_checkpoints(dump_folder: str | Path) -> list[tuple[int, Path]]:
 
 
 class CheckpointManager:
-    """Saves and restores everything a run needs to continue exactly: model, optimizer, LR schedule, sampler."""
+    """Saves and restores everything a run needs to continue exactly (model, optimizer, LR schedule, sampler),
+    and decides when the run exports HF weights.
 
-    def __init__(self, cfg: CkptConfig, dump_folder: str, model, optimizer, lr_scheduler, sampler, run_config: dict):
-        self.cfg, self.root = cfg, Path(dump_folder)
+    Args:
+        job_cfg: the run's config (``[checkpoint]`` and ``job.dump_folder``; the whole of it goes into meta.json).
+        exporter: ``exporter(model, out_dir)`` writes an HF directory (``titan_sft.hf_io.HFExporter``).
+    """
+
+    def __init__(self, job_cfg: JobConfig, model, optimizer, lr_scheduler, sampler, exporter: Callable):
+        self.cfg, self.root = job_cfg.checkpoint, Path(job_cfg.job.dump_folder)
         self.model, self.optimizer, self.lr_scheduler, self.sampler = model, optimizer, lr_scheduler, sampler
-        self.run_config = run_config
+        self.run_config = job_cfg.to_dict()
+        self.exporter = exporter
+        self.last_export: Path | None = None
         self.last_temp_time = time.monotonic()
-        self._pending = None  # (future or None, tmp dir, final dir, meta) of a save not yet renamed into place
+        self._pending = None  # (future or None, tmp dir, final dir, meta, start time) of a save not yet renamed
         self._staging = None  # future: the pending async save's copy of the state is complete
         self._async_pg = self._stager = None
 
@@ -126,8 +104,8 @@ class CheckpointManager:
         """
         self.wait()
         final = self.root / "checkpoints-temp" if temp else self.root / "checkpoints" / f"step-{label(completed_steps)}"
-        tmp = final.with_name(final.name + ".partial")
-        _prepare_dir(tmp)
+        t0 = time.monotonic()
+        tmp = partial_dir(final)
         meta = {
             "step": completed_steps,
             "label": label(completed_steps),
@@ -152,10 +130,10 @@ class CheckpointManager:
             response = dcp.async_save(self._state(), checkpoint_id=str(tmp), process_group=self._async_pg,
                                       async_stager=self._stager)
             self._staging = response.staging_completion
-            self._pending = (response.upload_completion, tmp, final, meta)
+            self._pending = (response.upload_completion, tmp, final, meta, t0)
         else:
             dcp.save(self._state(), checkpoint_id=str(tmp))
-            self._pending = (None, tmp, final, meta)
+            self._pending = (None, tmp, final, meta, t0)
             self.wait()
         if temp:
             self.last_temp_time = time.monotonic()
@@ -172,13 +150,14 @@ class CheckpointManager:
         self.wait_staged()
         if self._pending is None:
             return
-        future, tmp, final, meta = self._pending
+        future, tmp, final, meta, t0 = self._pending
         self._pending = None
         if future is not None:
             future.result()
-        if _rank() == 0:
+        if rank() == 0:
             (tmp / "meta.json").write_text(json.dumps(meta))
-        _finalize(tmp, final)
+        finalize(tmp, final)
+        logger.info(f"[checkpoint] saved {final} (step {meta['step']}) in {time.monotonic() - t0:.1f} s")
         if meta["kind"] == "regular":
             self._prune()
 
@@ -191,13 +170,16 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         k = self.cfg.keep_latest_k
-        if k <= 0 or _rank() != 0:
+        if k <= 0 or rank() != 0:
             return
         regular = [p for s, p in find_checkpoints(self.root) if p.parent.name == "checkpoints"]
         for path in regular[k:]:
             shutil.rmtree(path, ignore_errors=True)
 
     def maybe_save(self, completed_steps: int, total_steps: int) -> None:
+        """Saves when Levanter's cadence (``checkpoint.interval``) or the temporary-checkpoint timer says so."""
+        if not self.cfg.enable:
+            return
         if hook_fires(completed_steps, total_steps, self.cfg.interval):
             self.save(completed_steps)
             return
@@ -231,7 +213,7 @@ class CheckpointManager:
     def resume(self) -> int:
         """Applies ``[checkpoint] resume``; returns the completed steps to continue from (0 = fresh start)."""
         mode = self.cfg.resume
-        if mode == "none":
+        if not self.cfg.enable or mode == "none":
             return 0
         if mode != "auto":
             return self.load(Path(mode))
@@ -239,100 +221,16 @@ class CheckpointManager:
             try:
                 return self.load(path)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: fall back to the next newest
-                if _rank() == 0:
-                    print(f"[checkpoint] cannot resume from {path}: {e}; trying an older one", flush=True)
+                logger.warning(f"[checkpoint] cannot resume from {path}: {e}; trying an older one")
         return 0
 
-
-def hf_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of an HF directory's tensors, read from the safetensors headers only."""
-    from safetensors import safe_open
-
-    from titan_sft.models import hf_safetensors_files
-
-    shapes = {}
-    for file in hf_safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def load_hf_weights(model, args, path: str | Path) -> None:
-    """Loads an HF directory (one file or sharded with an index) straight into the (sharded) ``model``.
-
-    Each rank reads only the slices of its own shards through DCP's ``HuggingFaceStorageReader``; no rank builds
-    a whole copy. Names and shapes are checked against the safetensors headers first, so a missing tensor or a
-    shape (vocab) mismatch is an error naming the tensor.
-    """
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-
-    adapter = StateDictAdapter(args)
-    hf_state = adapter.to_hf(get_model_state_dict(model))
-    shapes = hf_tensor_shapes(path)
-    for name, tensor in hf_state.items():
-        if name not in shapes:
-            raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
-    # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
-    # again keeps this correct for wrappers whose state dict holds copies.
-    set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
-
-
-def export_hf(model, args, out_dir: str | Path, dtype: str = "bfloat16", tokenizer_dir: str | None = None,
-              max_shard_gb: float = 5.0) -> Path | None:
-    """Writes an HF directory (config.json, safetensors shards + index, padded tokenizer) atomically.
-
-    Parameters are gathered one tensor at a time onto rank 0's CPU (``full_state_dict`` + ``cpu_offload``), so no
-    rank holds the whole model on its device; rank 0 writes.
-    """
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    _prepare_dir(tmp)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if _rank() == 0:
-        tdtype = DTYPES[dtype]
-        hf_sd = {k: v.to(tdtype).contiguous() for k, v in StateDictAdapter(args).to_hf(full).items()}
-        limit = int(max_shard_gb * 1e9)
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in hf_sd.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > limit:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({k: fname for k in shard})
-            total = sum(t.numel() * t.element_size() for t in hf_sd.values())
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-            )
-        (tmp / "config.json").write_text(json.dumps(hf_config_from_args(args, tdtype), indent=2))
-        if tokenizer_dir:
-            save_padded_tokenizer(tokenizer_dir, tmp, args.vocab_size)
-    _finalize(tmp, out_dir)
-    return out_dir
-
-
-def save_padded_tokenizer(tokenizer_dir: str | Path, out_dir: Path, vocab_size: int) -> int:
-    """Saves the tokenizer with ``<|padding_i|>`` tokens added so that len(tokenizer) == vocab_size."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    n_pad = vocab_size - len(tok)
-    if n_pad > 0:
-        tok.add_tokens([f"<|padding_{i}|>" for i in range(n_pad)], special_tokens=True)
-    tok.save_pretrained(str(out_dir))
-    return max(n_pad, 0)
+    def maybe_export(self, completed_steps: int, total_steps: int) -> Path | None:
+        """Writes ``hf/step-<L>`` when Levanter's cadence for ``checkpoint.hf_export_interval`` fires (-1: never)."""
+        period = self.cfg.hf_export_interval
+        if period < 0 or not hook_fires(completed_steps, total_steps, period):
+            return None
+        path = self.root / "hf" / f"step-{label(completed_steps)}"
+        self.exporter(self.model, path)
+        self.last_export = path
+        logger.info(f"[export] wrote {path}")
+        return path

@@ -26,117 +26,131 @@ class ConfigError(ValueError):
     """A bad config value; the message is one line naming the key and what is allowed."""
 
 
+def doc(default: Any, text: str) -> Any:
+    """A config field with its one-line doc (printed by ``python -m titan_sft.train --help``)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
 @dataclass
 class Job:
-    dump_folder: str = "./outputs"
-    description: str = ""
-    seed: int = 0
+    dump_folder: str = doc("./outputs", "output directory: metrics, TensorBoard, checkpoints, HF exports")
+    description: str = doc("", "free text shown at start and stored with the run (TensorBoard, W&B notes)")
+    seed: int = doc(0, "seed of the random init and of anything else the run draws")
+    custom_imports: list[str] = doc([], "modules imported before anything is built; they register models, "
+                                        "objectives or converters")
 
 
 @dataclass
 class Model:
-    name: str = "qwen3"
-    flavor: str = "debug"
-    # HF directory for config, tokenizer and (with init_from_hf) weights.
-    hf_assets_path: str = ""
-    init_from_hf: bool = False
-    # Tokenizer directory; empty means hf_assets_path.
-    tokenizer_path: str = ""
-    attention: Literal["sdpa", "flex", "flash_varlen"] = "sdpa"
-    reset_positions_per_document: bool = False
+    name: str = doc("qwen3", "registered model family (qwen3, llama3, or one registered by custom_imports)")
+    flavor: str = doc("debug", "size of the family (debug, 0.6B ... 32B, 8B, 70B); ignored with init_from_hf")
+    hf_assets_path: str = doc("", "HF directory for config, tokenizer and (with init_from_hf) weights")
+    init_from_hf: bool = doc(False, "start from the weights and config.json in hf_assets_path")
+    tokenizer_path: str = doc("", "tokenizer directory; empty means hf_assets_path (then the dataset's)")
+    attention: Literal["sdpa", "flex", "flash_varlen"] = doc("sdpa", "attention backend")
+    reset_positions_per_document: bool = doc(False, "RoPE positions restart at 0 in every packed document")
+    converters: list[str] = doc([], "extra model converters by registered name, applied in order before "
+                                    "sharding (float8 is switched by training.float8)")
+
+
+@dataclass
+class Objective:
+    name: str = doc("causal_lm", "training objective: causal_lm (the recipe) or a registered one")
 
 
 @dataclass
 class Data:
-    path: str = ""
-    validation_path: str = ""
-    shuffle: bool = False
-    shuffle_seed: int = 0
+    path: str = doc("", "packed dataset directory (python -m titan_sft.data.prepare)")
+    shuffle: bool = doc(False, "visit packs in a seeded random order instead of the recipe's sequential one")
+    shuffle_seed: int = doc(0, "seed of that order")
 
 
 @dataclass
 class Training:
-    steps: int = 0  # 0 = 8 epochs over the packed data (the recipe)
-    # Stop cleanly (with a checkpoint) after this many completed steps, keeping the schedule of `steps`;
-    # 0 runs to the end. Splits a long job into chunks (and tests resumption).
-    stop_at_step: int = 0
-    global_batch_size: int = 8
-    per_device_batch: int = 1
-    loss_groups: int = 1
-    max_grad_norm: float = 1.0
-    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    loss_chunk_size: int = 4096
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
-    compile: bool = False
-    float8: bool = False
-    skip_startup_checks: bool = False
-    deterministic: bool = False
+    steps: int = doc(0, "optimizer steps; 0 = 8 epochs over the packed data (the recipe)")
+    stop_at_step: int = doc(0, "stop cleanly with a checkpoint after this many steps, keeping the schedule of "
+                               "steps; 0 runs to the end")
+    global_batch_size: int = doc(8, "packed examples per optimizer step, all ranks together")
+    per_device_batch: int = doc(1, "packed examples per forward on one rank (microbatch); must divide the "
+                                   "per-rank batch")
+    loss_groups: int = doc(1, "the step loss is the mean over this many groups of consecutive examples of each "
+                              "group's token mean")
+    max_grad_norm: float = doc(1.0, "clip to this global L2 norm; 0 disables clipping")
+    param_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "dtype of forward/backward compute")
+    reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "dtype of gradient reduction across ranks")
+    loss_chunk_size: int = doc(4096, "tokens per chunk of the output head + cross-entropy")
+    activation_checkpoint: Literal["none", "full", "selective"] = doc(
+        "none", "recompute activations in backward: every block (full) or every other block (selective)")
+    compile: bool = doc(False, "torch.compile each transformer block")
+    float8: bool = doc(False, "float8 matmuls in the blocks (torchao, row-wise scales; SM >= 8.9, else bf16)")
+    skip_startup_checks: bool = doc(False, "skip the document-isolation and loss-denominator start-up checks")
+    deterministic: bool = doc(False, "torch.use_deterministic_algorithms(True)")
 
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 2e-5
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    fused: bool = False
-    foreach: bool = True  # ignored when fused
+    name: Literal["adamw"] = doc("adamw", "optimizer")
+    lr: float = doc(2e-5, "peak learning rate")
+    beta1: float = doc(0.9, "AdamW beta1")
+    beta2: float = doc(0.999, "AdamW beta2")
+    eps: float = doc(1e-8, "AdamW epsilon")
+    weight_decay: float = doc(0.0, "decoupled weight decay (not on norms, the embedding or biases)")
+    fused: bool = doc(False, "fused AdamW kernel (GPU)")
+    foreach: bool = doc(True, "multi-tensor AdamW; ignored when fused")
 
 
 @dataclass
 class LRScheduler:
-    warmup: float = 0.0  # <= 1: fraction of total steps; > 1: whole steps
-    decay: float = 1.0  # same rule; the rest of the steps are stable
-    min_lr_ratio: float = 0.0
-    decay_type: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup: float = doc(0.0, "linear warmup: <= 1 a fraction of the steps, > 1 whole steps")
+    decay: float = doc(1.0, "decay phase at the end, same rule; the steps between are stable")
+    min_lr_ratio: float = doc(0.0, "final LR as a fraction of the peak")
+    decay_type: Literal["cosine", "linear", "constant"] = doc("cosine", "shape of the decay phase")
 
 
 @dataclass
 class Checkpoint:
-    enable: bool = True
-    interval: int = 20
-    hf_export_interval: int = 100  # 0: only after the final step; -1: never
-    temp_interval_minutes: float = 10.0
-    keep_latest_k: int = 0  # 0 keeps all
-    resume: str = "auto"  # auto | none | a checkpoint path
-    # "async": the state is staged to host memory and written by a background thread while training goes on;
-    # the checkpoint is renamed into place (complete) once written, at the latest before the next save.
-    async_mode: Literal["disabled", "async"] = "disabled"
-    hf_export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    hf_max_shard_size_gb: float = 5.0
+    enable: bool = doc(True, "save DCP checkpoints and resume from them")
+    interval: int = doc(20, "checkpoint every this many steps (Levanter labels)")
+    hf_export_interval: int = doc(100, "HF export every this many steps; 0 only after the final step; -1 never")
+    temp_interval_minutes: float = doc(10.0, "minutes between temporary checkpoints (overwritten); 0 disables")
+    keep_latest_k: int = doc(0, "regular checkpoints to keep; 0 keeps all")
+    resume: str = doc("auto", "auto (newest complete checkpoint), none, or a checkpoint path")
+    async_mode: Literal["disabled", "async"] = doc(
+        "disabled", "async: stage the state in host memory and write it in the background")
+    hf_export_dtype: Literal["bfloat16", "float32", "float16"] = doc("bfloat16", "dtype of HF exports")
+    hf_max_shard_size_gb: float = doc(5.0, "largest safetensors file of an HF export, in GB")
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 1
-    enable_tensorboard: bool = True
-    wandb_project: str = ""
-    wandb_id: str = ""
+    log_freq: int = doc(1, "log every this many steps (and the last)")
+    enable_tensorboard: bool = doc(True, "write TensorBoard event files under <dump_folder>/tb")
+    wandb_project: str = doc("", "Weights & Biases project; empty disables W&B")
+    wandb_id: str = doc("", "W&B run id to resume; empty starts a new run")
 
 
 @dataclass
 class Validation:
-    # JSONL of held-out chats; after the final export, rank 0 greedily decodes each prompt with transformers and
-    # reports exact-match accuracy of the last assistant turn. Empty disables it.
-    generation_eval_path: str = ""
-    max_new_tokens: int = 32
-    max_examples: int = 200
+    generation_eval_path: str = doc("", "JSONL of held-out chats: after the final export, greedy decoding of "
+                                        "each prompt and exact match with the last assistant turn; empty disables")
+    max_new_tokens: int = doc(32, "tokens generated per held-out prompt")
+    max_examples: int = doc(200, "held-out prompts evaluated at most")
 
 
 @dataclass
 class Parallelism:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1 = the rest of the ranks
-    tp: int = 1
+    dp_replicate: int = doc(1, "data-parallel replicas (HSDP across groups of ranks)")
+    dp_shard: int = doc(-1, "FSDP shards per replica; -1 = the rest of the ranks")
+    tp: int = doc(1, "tensor-parallel degree")
 
 
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    objective: Objective = field(default_factory=Objective)
     data: Data = field(default_factory=Data)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -348,3 +362,67 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.model.name != "", "model.name", "a registered model name", cfg.model.name)
     if cfg.model.init_from_hf:
         need(cfg.model.hf_assets_path != "", "model.hf_assets_path", "an HF directory when model.init_from_hf", "")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks that need more than the config (a world size, a model family, a dataset). They live here so that every
+# rule about config values is in this file; the components call them at the boundary, before any work.
+
+
+def require_data_path(cfg: JobConfig) -> None:
+    if not cfg.data.path:
+        raise ConfigError("config key 'data.path': empty; allowed: a packed dataset directory (titan_sft.data.prepare)")
+
+
+def require_flavor(model_cfg: Model, flavors: dict[str, Any]) -> None:
+    if model_cfg.flavor not in flavors:
+        raise ConfigError(f"config key 'model.flavor': '{model_cfg.flavor}' is not a {model_cfg.name} flavor; "
+                          f"allowed: {', '.join(flavors)}")
+
+
+def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp) for ``world_size`` ranks, with the batch arithmetic checked.
+
+    Raises:
+        ConfigError: the mesh does not multiply to the world size, or the global batch does not split into
+            whole per-rank batches of whole microbatches.
+    """
+    p, t = cfg.parallelism, cfg.training
+    if p.tp != 1:
+        raise ConfigError("config key 'parallelism.tp': tensor parallelism is not available yet; allowed: 1")
+    shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
+    if p.dp_replicate * shard * p.tp != world_size:
+        raise ConfigError(
+            f"config key 'parallelism': dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
+            f"does not multiply to the world size {world_size}"
+        )
+    dp = p.dp_replicate * shard
+    if t.global_batch_size % dp:
+        raise ConfigError(f"config key 'training.global_batch_size': {t.global_batch_size} must be divisible by the "
+                          f"data-parallel ranks ({dp})")
+    if (t.global_batch_size // dp) % t.per_device_batch:
+        raise ConfigError(
+            f"config key 'training.per_device_batch': {t.per_device_batch} must divide the per-rank "
+            f"batch global_batch_size / ranks = {t.global_batch_size // dp}"
+        )
+    return p.dp_replicate, shard, p.tp
+
+
+def check_vocab(dataset_vocab: int, model_vocab: int) -> None:
+    if dataset_vocab > model_vocab:
+        raise ConfigError(f"data.path: the dataset's tokenizer has {dataset_vocab} tokens, more than the model's "
+                          f"vocab_size {model_vocab}")
+
+
+def config_help() -> str:
+    """Every section and key with its type, default and one-line doc (``python -m titan_sft.train --help``)."""
+    lines = ["usage: python -m titan_sft.train --config FILE.toml [--section.key VALUE ...] [--dry-run]", "",
+             "Config keys (TOML [section] key = value, or --section.key VALUE on the command line):"]
+    for section, cls in _sections().items():
+        lines.append(f"\n[{section}]")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {f.name} = {json.dumps(default)}  ({_describe(hints[f.name])})")
+            lines.append(f"      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

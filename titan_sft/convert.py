@@ -21,10 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titan_sft.checkpoint import export_hf, read_meta
-from titan_sft.config import JobConfig, _set
+from titan_sft.checkpoint import read_meta
+from titan_sft.config import ConfigError, JobConfig, _set
+from titan_sft.hf_io import export_hf, model_args, read_hf_config
 from titan_sft.models import build_model, load_hf
-from titan_sft.models.hf_adapter import args_from_hf_config, read_hf_config
 from titan_sft.registry import get_train_spec, spec_for_hf_model_type
 
 
@@ -40,12 +40,6 @@ def _config_from_meta(meta: dict) -> JobConfig:
     return cfg
 
 
-def _args_from_config(cfg: JobConfig):
-    if cfg.model.init_from_hf:
-        return args_from_hf_config(read_hf_config(cfg.model.hf_assets_path))
-    return get_train_spec(cfg.model.name).flavors[cfg.model.flavor]
-
-
 def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:
     """DCP checkpoint -> HF directory, rebuilt from the checkpoint's saved config."""
     ckpt = Path(checkpoint)
@@ -53,7 +47,8 @@ def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | N
     if meta is None:
         raise ConvertError(f"{ckpt}: not a complete titan_sft checkpoint (no .metadata or meta.json)")
     cfg = _config_from_meta(meta)
-    args = _args_from_config(cfg)
+    spec = get_train_spec(cfg.model.name)
+    args = model_args(cfg.model, spec)
     model = build_model(args)
     model.to_empty(device="cpu")
     state = {"model": get_model_state_dict(model)}
@@ -63,7 +58,7 @@ def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | N
     if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         print(f"convert: no tokenizer in {tok}; writing no tokenizer (pass --tokenizer DIR)", file=sys.stderr)
         tok = None
-    return export_hf(model, args, out, dtype, tok, cfg.checkpoint.hf_max_shard_size_gb)
+    return export_hf(model, args, out, dtype, tok, cfg.checkpoint.hf_max_shard_size_gb, spec=spec)
 
 
 def from_hf(hf: str, out: str, model_name: str | None = None, flavor: str | None = None) -> Path:
@@ -114,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             path = to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer)
         else:
             path = from_hf(ns.hf, ns.out, ns.model, ns.flavor)
-    except (ConvertError, FileNotFoundError, ValueError, KeyError) as e:
-        print(f"convert: error: {e}", file=sys.stderr)
+    except (ConvertError, ConfigError, FileNotFoundError, ValueError, KeyError) as e:
+        print(f"convert: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2
     print(f"convert: wrote {path}", file=sys.stderr)
     return 0

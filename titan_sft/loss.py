@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from titan_sft.constants import IGNORE_INDEX
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

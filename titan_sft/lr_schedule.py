@@ -51,6 +51,11 @@ class Schedule:
         return 1.0
 
 
+def total_steps(cfg, n_packs: int) -> int:
+    """``training.steps``, or 0 = 8 epochs over the packed data: ceil(8 * n_packs / global batch) (the recipe)."""
+    return cfg.training.steps or math.ceil(8 * n_packs / cfg.training.global_batch_size)
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_steps: int):
     """A LambdaLR whose lr after ``k`` scheduler steps is the lr of 0-based update ``k``."""
     schedule = Schedule.from_config(cfg, total_steps)

@@ -1,4 +1,4 @@
-"""Step metrics: a progress line on rank 0, metrics.jsonl, TensorBoard scalars, optional Weights & Biases.
+"""Step metrics: throughput and MFU, a progress line on rank 0, metrics.jsonl, TensorBoard, optional W&B.
 
 MFU follows torchtitan's convention: FLOPs per token = 6 * N + 12 * n_layers * n_heads * head_dim * seq_len,
 with N the parameters excluding the token embedding, against the GPU's dense bf16 peak. (Document masking makes
@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from titan_sft.config import JobConfig
+from titan_sft.log import logger
 
 # Dense bf16 peak FLOP/s per GPU model (no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
@@ -34,9 +37,13 @@ def flops_per_token(args, seq_len: int) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, dump_folder: str, rank: int, cfg, device: torch.device, total_steps: int, run_config: dict):
+    """Rank 0 writes; every rank may call. ``flops_per_token`` feeds MFU (null where the peak is unknown)."""
+
+    def __init__(self, job_cfg: JobConfig, rank: int, device: torch.device, total_steps: int, flops_per_token: float):
+        cfg, dump_folder = job_cfg.metrics, job_cfg.job.dump_folder
         self.rank, self.cfg, self.device, self.total = rank, cfg, device, total_steps
         self.peak = peak_flops(device)
+        self.flops_per_token = flops_per_token
         self.t_start = time.monotonic()
         self.start_step: int | None = None
         self.jsonl = self.tb = self.wandb = None
@@ -48,11 +55,21 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(dump_folder) / "tb"))
+            if job_cfg.job.description:
+                self.tb.add_text("description", job_cfg.job.description)
         if cfg.wandb_project:
             import wandb
 
             self.wandb = wandb.init(project=cfg.wandb_project, id=cfg.wandb_id or None, resume="allow",
-                                    config=run_config, dir=dump_folder)
+                                    config=job_cfg.to_dict(), dir=dump_folder, notes=job_cfg.job.description or None)
+
+    def throughput(self, n_tokens: int, seconds: float, world: int) -> dict:
+        """``tokens_per_s`` (input tokens per second per device), ``mfu`` (percent, None where the device's peak
+        is unknown) and ``memory_gib`` (peak device memory, None on CPU) of one step."""
+        tokens_per_s = n_tokens / world / seconds
+        mfu = 100 * tokens_per_s * self.flops_per_token / self.peak if self.peak else None
+        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "memory_gib": memory}
 
     def log(self, record: dict) -> None:
         """Writes one record (train or validation); prints a progress line for train records."""
@@ -75,11 +92,11 @@ class MetricsLogger:
             eta = (time.monotonic() - self.t_start) / done * (self.total - step)
             mem = f" mem {record['memory_gib']:.1f}GiB" if record.get("memory_gib") is not None else ""
             mfu = f" mfu {record['mfu']:.1f}%" if record.get("mfu") is not None else ""
-            print(f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.3e}  "
-                  f"grad_norm {record['grad_norm']:.3f}  tok/s/dev {record['tokens_per_s']:,.0f}{mfu}{mem}  "
-                  f"eta {_fmt_time(eta)}", flush=True)
+            logger.info(f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.3e}  "
+                        f"grad_norm {record['grad_norm']:.3f}  tok/s/dev {record['tokens_per_s']:,.0f}{mfu}{mem}  "
+                        f"eta {_fmt_time(eta)}")
         else:
-            print(" ".join(f"{k} {v}" for k, v in record.items()), flush=True)
+            logger.info(" ".join(f"{k} {v}" for k, v in record.items()))
 
     def close(self) -> None:
         if self.jsonl:

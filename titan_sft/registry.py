@@ -1,73 +1,143 @@
-"""Component registry: a model family's name maps to a ``TrainSpec`` that the trainer is assembled from.
+"""Component registry: what a run's config picks by name.
 
-A spec holds the model class, its flavors, how to parallelize it, how to convert its HF checkpoints, and the
-builders of every other component (tokenizer, data, loss, optimizer, LR schedule, checkpointer, metrics,
-validator). A run's config picks the spec by ``[model] name``; outside code adds its own with
-:func:`register_train_spec` (or replaces a builder with ``dataclasses.replace(spec, build_loss_fn=...)``).
+Three tables, each filled by the module that defines the thing, never by editing the trainer:
+
+* train specs (``[model] name``): a model family (class, flavors, HF model_type and architecture, state-dict
+  adapter, parallelize function) plus the builders of the components its runs use. The built-in families
+  register themselves from ``titan_sft.families.<name>``, imported here on first lookup;
+* objectives (``[objective] name``): the training objective (collator, attention mode, loss with the output
+  head, validator, step metrics); built-ins in ``titan_sft.objectives.<name>``;
+* model converters (float8, LoRA, ...): functions that swap modules of a meta-device model before it is
+  sharded; built-ins in ``titan_sft.converters``.
+
+Outside code registers its own (``register_train_spec``, ``register_objective``, ``register_converter``) in a
+module named by ``[job] custom_imports``, which the trainer imports before it builds anything. This module
+imports nothing from the rest of titan_sft, so every layer may use it without an import cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch.nn as nn
+BUILTIN_FAMILIES = ("qwen3", "llama3")
+BUILTIN_OBJECTIVES = ("causal_lm",)
 
 
 @dataclass(frozen=True)
 class TrainSpec:
+    """A model family and the builders of the components a run of it uses. Every field is used by the trainer.
+
+    Builder signatures (``cfg`` is the whole ``JobConfig``):
+        parallelize_fn(model, mesh, cfg, device): converters, AC, compile, FSDP2, in place, on the meta model.
+        build_tokenizer_fn(cfg) -> tokenizer (``len()`` is its vocabulary size).
+        build_dataloader_fn(cfg, dp_rank, dp_world, collate_fn, pin_memory) -> loader with ``.dataset``,
+            ``.sampler``, ``start(step)``, ``next()`` and ``close()`` (see ``titan_sft.data.loader``).
+        build_optimizer_fn(model, cfg.optimizer) -> torch optimizer.
+        build_lr_scheduler_fn(optimizer, cfg.lr_scheduler, total_steps) -> LR scheduler.
+        build_checkpointer_fn(cfg, model, optimizer, lr_scheduler, sampler, exporter) -> checkpointer.
+        build_metrics_fn(cfg, rank, device, total_steps, flops_per_token) -> metrics logger.
+    """
+
     name: str
-    model_cls: type[nn.Module]
-    flavors: dict[str, Any]
-    hf_model_types: tuple[str, ...]  # config.json model_type values this spec loads
+    model_cls: type
+    flavors: dict[str, Any]  # flavor name -> model args
+    hf_model_type: str  # config.json "model_type" this family reads and writes
+    hf_architecture: str  # config.json "architectures" entry written on export
+    state_dict_adapter: type  # adapter(args): native <-> HF tensor names
     parallelize_fn: Callable
-    state_dict_adapter: type
     build_tokenizer_fn: Callable
     build_dataloader_fn: Callable
-    build_loss_fn: Callable
     build_optimizer_fn: Callable
     build_lr_scheduler_fn: Callable
     build_checkpointer_fn: Callable
     build_metrics_fn: Callable
-    export_hf_fn: Callable
-    build_validator_fn: Callable | None = None
 
     def replace(self, **changes: Any) -> "TrainSpec":
+        """A copy with some fields changed (register it under a new name, or with ``overwrite=True``)."""
         return dataclasses.replace(self, **changes)
 
 
 _SPECS: dict[str, TrainSpec] = {}
+_OBJECTIVES: dict[str, Callable] = {}
+_CONVERTERS: dict[str, Callable] = {}
+
+
+def _register(table: dict, kind: str, name: str, value: Any, overwrite: bool) -> None:
+    if name in table and not overwrite:
+        raise ValueError(f"a {kind} named '{name}' is already registered (pass overwrite=True)")
+    table[name] = value
+
+
+def _lookup(table: dict, kind: str, key: str, name: str, builtin_module: str | None) -> Any:
+    if name not in table and builtin_module is not None:
+        try:
+            importlib.import_module(builtin_module)
+        except ModuleNotFoundError as e:
+            if e.name != builtin_module:
+                raise
+    if name not in table:
+        raise KeyError(f"{key}: unknown {kind} '{name}'; known: {', '.join(sorted(table))}")
+    return table[name]
 
 
 def register_train_spec(spec: TrainSpec, *, overwrite: bool = False) -> None:
     """Registers ``spec`` under ``spec.name``; re-registering a name needs ``overwrite=True``."""
-    if spec.name in _SPECS and not overwrite:
-        raise ValueError(f"a train spec named '{spec.name}' is already registered (pass overwrite=True)")
-    _SPECS[spec.name] = spec
+    _register(_SPECS, "train spec", spec.name, spec, overwrite)
 
 
-def _ensure_builtins() -> None:
-    import titan_sft.specs  # noqa: F401  (registers qwen3 and llama3)
+def _load_builtin_families() -> None:
+    for name in BUILTIN_FAMILIES:
+        importlib.import_module(f"titan_sft.families.{name}")
 
 
 def get_train_spec(name: str) -> TrainSpec:
-    """The spec registered as ``name``; an unknown name is an error listing the known ones."""
-    _ensure_builtins()
+    """The spec registered as ``name`` (a built-in family is imported on first use); unknown names list the
+    known ones."""
     if name not in _SPECS:
-        raise KeyError(f"model.name: unknown model '{name}'; known: {', '.join(sorted(_SPECS))}")
-    return _SPECS[name]
+        _load_builtin_families()
+    return _lookup(_SPECS, "model", "model.name", name, None)
 
 
 def list_train_specs() -> list[str]:
-    _ensure_builtins()
+    _load_builtin_families()
     return sorted(_SPECS)
 
 
 def spec_for_hf_model_type(model_type: str) -> TrainSpec:
-    _ensure_builtins()
+    """The spec whose family reads config.json ``model_type``."""
+    _load_builtin_families()
     for spec in _SPECS.values():
-        if model_type in spec.hf_model_types:
+        if spec.hf_model_type == model_type:
             return spec
-    known = sorted(t for s in _SPECS.values() for t in s.hf_model_types)
-    raise KeyError(f"config.json model_type '{model_type}' has no registered spec; known: {', '.join(known)}")
+    known = sorted({s.hf_model_type for s in _SPECS.values()})
+    raise KeyError(f"config.json model_type '{model_type}' has no registered model family; known: {', '.join(known)}")
+
+
+def register_objective(name: str, build: Callable, *, overwrite: bool = False) -> None:
+    """Registers an objective; ``build(cfg)`` returns an :class:`titan_sft.objectives.Objective`."""
+    _register(_OBJECTIVES, "objective", name, build, overwrite)
+
+
+def get_objective(name: str) -> Callable:
+    """The builder of objective ``name`` (built-ins are imported on first use)."""
+    module = f"titan_sft.objectives.{name}" if name in BUILTIN_OBJECTIVES else None
+    return _lookup(_OBJECTIVES, "objective", "objective.name", name, module)
+
+
+def list_objectives() -> list[str]:
+    for name in BUILTIN_OBJECTIVES:
+        get_objective(name)
+    return sorted(_OBJECTIVES)
+
+
+def register_converter(name: str, apply: Callable, *, overwrite: bool = False) -> None:
+    """Registers a model converter; ``apply(model, cfg, device)`` swaps modules of the meta-device model in
+    place (before activation checkpointing, compile and FSDP)."""
+    _register(_CONVERTERS, "model converter", name, apply, overwrite)
+
+
+def get_converter(name: str) -> Callable:
+    return _lookup(_CONVERTERS, "model converter", "model.converters", name, "titan_sft.converters")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from titan_sft.constants import IGNORE_INDEX
 
 
 @dataclass

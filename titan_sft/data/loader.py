@@ -11,10 +11,12 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
-from titan_sft.data.collator import Microbatch, collate
+from titan_sft.config import JobConfig, require_data_path
+from titan_sft.data.collator import collate
 from titan_sft.data.dataset import PackedDataset
 from titan_sft.data.sampler import RecipeSampler
 
@@ -23,15 +25,18 @@ from titan_sft.data.sampler import RecipeSampler
 class StepBatch:
     step: int  # 0-based optimizer step
     global_ids: np.ndarray  # pack ids of the whole global batch
-    microbatches: list[Microbatch]
+    microbatches: list[Any]  # what the objective's collator makes of each per_device_batch packs
 
 
 class BatchLoader:
+    """Builds each step's microbatches: the sampler picks the packs, ``collate_fn(packs, loss_groups)`` (the
+    objective's collator) turns ``per_device_batch`` of them into one microbatch."""
+
     def __init__(self, dataset: PackedDataset, sampler: RecipeSampler, per_device_batch: int, loss_groups: int,
-                 reset_positions: bool = False, pin_memory: bool = False, prefetch: int = 2):
+                 collate_fn: Callable = collate, pin_memory: bool = False, prefetch: int = 2):
         self.dataset, self.sampler = dataset, sampler
         self.per_device_batch, self.loss_groups = per_device_batch, loss_groups
-        self.reset_positions, self.pin_memory, self.prefetch = reset_positions, pin_memory, prefetch
+        self.collate_fn, self.pin_memory, self.prefetch = collate_fn, pin_memory, prefetch
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -46,8 +51,7 @@ class BatchLoader:
         P = self.per_device_batch
         mbs = []
         for k in range(0, len(local_ids), P):
-            mb = collate([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist(),
-                         self.reset_positions)
+            mb = self.collate_fn([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist())
             mbs.append(mb.pin_memory() if self.pin_memory else mb)
         return StepBatch(step, global_ids, mbs)
 
@@ -86,3 +90,12 @@ class BatchLoader:
             self._stop.set()
             self._thread.join()
             self._thread = None
+
+
+def build_loader(cfg: JobConfig, dp_rank: int, dp_world: int, collate_fn: Callable, pin_memory: bool) -> BatchLoader:
+    """The packed dataset of ``data.path``, the recipe sampler for this data-parallel rank, and the loader."""
+    require_data_path(cfg)
+    dataset = PackedDataset(cfg.data.path)
+    t = cfg.training
+    sampler = RecipeSampler(len(dataset), t.global_batch_size, dp_rank, dp_world, cfg.data.shuffle, cfg.data.shuffle_seed)
+    return BatchLoader(dataset, sampler, t.per_device_batch, t.loss_groups, collate_fn, pin_memory)

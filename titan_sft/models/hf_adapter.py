@@ -1,14 +1,13 @@
 """Native <-> Hugging Face conversion: tensor names, tied embeddings, and config.json <-> TransformerArgs.
 
 The native model rotates RoPE halves exactly as HF does, so no tensor changes layout; only names move. A tied
-HF checkpoint has no ``lm_head.weight``: the embedding is the head.
+HF checkpoint has no ``lm_head.weight``: the embedding is the head. Reading and writing files lives in
+``titan_sft.hf_io``; this module only maps names and config fields.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,11 +121,25 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
-    """TransformerArgs from a Qwen3 or Llama config.json dict."""
+# What the native decoder needs to know of the HF architectures it can represent: Qwen3 normalises q and k per
+# head, Llama does not. (Which family a model_type belongs to is the registry's business, not this table's.)
+HF_QK_NORM = {"qwen3": True, "llama": False}
+
+
+def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> TransformerArgs:
+    """TransformerArgs from a config.json dict.
+
+    Args:
+        cfg: the parsed config.json.
+        qk_norm: whether the architecture normalises q/k per head; None looks ``model_type`` up in
+            ``HF_QK_NORM`` (qwen3, llama).
+    """
     model_type = cfg.get("model_type")
-    if model_type not in ("qwen3", "llama"):
-        raise ValueError(f"config.json: model_type '{model_type}' is not supported (supported: qwen3, llama)")
+    if qk_norm is None:
+        if model_type not in HF_QK_NORM:
+            raise ValueError(f"config.json: model_type '{model_type}' is not supported "
+                             f"(supported: {', '.join(HF_QK_NORM)})")
+        qk_norm = HF_QK_NORM[model_type]
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("config.json: attention_bias/mlp_bias models are not supported")
     theta, scaling = _rope_from_hf(cfg)
@@ -142,7 +155,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        qk_norm=model_type == "qwen3",
+        qk_norm=qk_norm,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_seq_len=cfg.get("max_position_embeddings", 40960),
         extra={k: v for k, v in cfg.items() if k in _CARRIED_KEYS},
@@ -153,13 +166,14 @@ def args_from_hf_config(cfg: dict[str, Any]) -> TransformerArgs:
 _CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "max_window_layers")
 
 
-def hf_config_from_args(args: TransformerArgs, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def hf_config_from_args(args: TransformerArgs, model_type: str, architecture: str,
+                        dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """A config.json dict that transformers (4.x and 5.x) and vLLM read as the same model.
 
     Both RoPE layouts are written: ``rope_parameters`` (transformers 5) and ``rope_theta``/``rope_scaling``
-    (older readers); likewise ``dtype`` and ``torch_dtype``.
+    (older readers); likewise ``dtype`` and ``torch_dtype``. ``model_type`` and ``architecture`` come from the
+    model family's train spec.
     """
-    qwen = args.qk_norm
     dtype_name = str(dtype).removeprefix("torch.")
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
@@ -173,8 +187,8 @@ def hf_config_from_args(args: TransformerArgs, dtype: torch.dtype = torch.bfloat
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen3ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen3" if qwen else "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers,
@@ -197,16 +211,9 @@ def hf_config_from_args(args: TransformerArgs, dtype: torch.dtype = torch.bfloat
     }
     if args.rope_scaling is not None:
         cfg["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    if qwen:
+    if model_type == "qwen3":  # Qwen3's config class reads these; Llama's reads mlp_bias
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
     else:
         cfg["mlp_bias"] = False
     cfg.update(args.extra)
     return cfg
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    path = Path(path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-    return json.loads(path.read_text())

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.models.attention import AttentionBackend, AttentionMask
 
 
@@ -184,11 +183,11 @@ class Transformer(nn.Module):
     * ``model(input_ids, cu_seqlens=cu)`` with B == 1: a packed row of documents whose boundaries are ``cu``
       (int32 [n_docs + 1], 0 ... T). Documents never attend to each other. Positions default to 0..T-1 over the
       whole row (the recipe); pass ``positions`` [1, T] to reset them per document.
-    * ``model(..., hidden_only=True)`` -> final-normed hidden states [B, T, dim] (no output head).
-    * ``model(..., labels=y)`` -> fp32 scalar: the SUM of token cross-entropies over positions whose label is not
-      ``-100``, computed chunk by chunk (``loss_chunk_size`` tokens at a time) so that [tokens, vocab] logits never
-      exist at once. ``loss_weights`` [B, T] weighs each token (loss-group normalisation). Computing the loss
-      inside ``forward`` keeps the output head under the same FSDP hooks.
+    * ``model(..., hidden_only=True)`` -> final-normed hidden states [B, T, dim], without the output head. This
+      is how training calls it: the objective applies ``model.output`` itself (chunk by chunk, or only at the
+      positions that carry loss), so [tokens, vocab] logits never exist at once.
+
+    Attention is causal, or bidirectional within each document when ``args.causal`` is False.
     """
 
     def __init__(self, args: TransformerArgs):
@@ -202,7 +201,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.loss_chunk_size = 4096
 
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         super().to_empty(device=device, recurse=recurse)
@@ -227,8 +225,6 @@ class Transformer(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
         hidden_only: bool = False,
     ) -> torch.Tensor:
         b, t = input_ids.shape
@@ -240,9 +236,4 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         h = self.norm(h)
-        if hidden_only:
-            return h
-        if labels is not None:
-
-            return chunked_cross_entropy_sum(h, self.output.weight, labels, self.loss_chunk_size, loss_weights)
-        return self.output(h)
+        return h if hidden_only else self.output(h)

@@ -1,0 +1,221 @@
+"""HF I/O: the one module that reads and writes Hugging Face model directories.
+
+Used by ``titan_sft.models.load_hf`` (one process), by a run that starts from HF weights (each rank reads only
+its own shards), by periodic HF export during training, and by ``python -m titan_sft.convert``. Tensor names and
+config fields are mapped by the model family's state-dict adapter and ``models.hf_adapter``; the family's train
+spec says which ``model_type`` and architecture a directory holds.
+
+An HF directory: ``config.json``, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` +
+``model.safetensors.index.json``, and (optional) tokenizer files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_sft.atomic import finalize, partial_dir, rank
+from titan_sft.constants import DTYPES
+from titan_sft.models.hf_adapter import args_from_hf_config, hf_config_from_args
+from titan_sft.models.transformer import TransformerArgs
+from titan_sft.registry import TrainSpec, spec_for_hf_model_type
+
+# ------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of an HF directory."""
+    path = Path(path) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
+    return json.loads(path.read_text())
+
+
+def hf_safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors files of an HF directory: the index's shards, or the single ``model.safetensors``."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def hf_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an HF directory's tensors, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in hf_safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
+    """The model's architecture for a run: from ``hf_assets_path``/config.json when ``init_from_hf``, else the
+    family's flavor; with the run's attention backend. (The one flavour lookup of titan_sft.)"""
+    from titan_sft.config import ConfigError, require_flavor
+
+    if model_cfg.init_from_hf:
+        hf_cfg = read_hf_config(model_cfg.hf_assets_path)
+        if hf_cfg.get("model_type") != spec.hf_model_type:
+            raise ConfigError(
+                f"config key 'model.name': '{spec.name}' reads HF model_type '{spec.hf_model_type}', but "
+                f"{model_cfg.hf_assets_path}/config.json has '{hf_cfg.get('model_type')}'"
+            )
+        args = args_from_hf_config(hf_cfg)
+    else:
+        require_flavor(model_cfg, spec.flavors)
+        args = spec.flavors[model_cfg.flavor]
+    return dataclasses.replace(args, attention=model_cfg.attention)
+
+
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32, attention: str = "sdpa"):
+    """``titan_sft.models.load_hf``: the native model with the directory's weights, on CPU, in eval mode."""
+    from safetensors import safe_open
+
+    from titan_sft.models import build_model
+
+    hf_cfg = read_hf_config(path)
+    spec = spec_for_hf_model_type(hf_cfg.get("model_type"))
+    args = args_from_hf_config(hf_cfg)
+    adapter = spec.state_dict_adapter(args)
+    model = build_model(args, attention=attention)
+    model.to_empty(device="cpu")
+    expected = model.state_dict()
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for file in hf_safetensors_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for hf_name in f.keys():
+                    try:
+                        native = adapter.from_hf({hf_name: None})
+                    except KeyError:
+                        raise ValueError(f"{file}: unexpected tensor '{hf_name}' for a {spec.name} model") from None
+                    for name in native:  # empty for a tied checkpoint's spare lm_head.weight
+                        tensor = f.get_tensor(hf_name)
+                        if tuple(tensor.shape) != tuple(expected[name].shape):
+                            raise ValueError(f"{file.name}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
+                                             f"the model expects {tuple(expected[name].shape)}")
+                        expected[name].copy_(tensor)
+                        loaded.add(name)
+    missing = [n for n in expected if n not in loaded and not (n == "output.weight" and args.tie_embeddings)]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    return model.to(dtype).eval()
+
+
+def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainSpec) -> None:
+    """Loads an HF directory straight into the (sharded) ``model``; each rank reads only its own slices.
+
+    DCP's ``HuggingFaceStorageReader`` reads the safetensors files; no rank builds a whole copy. Names and shapes
+    are checked against the safetensors headers first, so a missing tensor or a shape (vocab) mismatch is an
+    error naming the tensor.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    adapter = spec.state_dict_adapter(args)
+    hf_state = adapter.to_hf(get_model_state_dict(model))
+    shapes = hf_tensor_shapes(path)
+    for name, tensor in hf_state.items():
+        if name not in shapes:
+            raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
+    # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
+    # again keeps this correct for wrappers whose state dict holds copies.
+    set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "bfloat16",
+              tokenizer_dir: str | None = None, max_shard_gb: float = 5.0, *, spec: TrainSpec) -> Path:
+    """Writes an HF directory (config.json, safetensors shards + index, padded tokenizer) atomically.
+
+    Parameters are gathered one tensor at a time onto rank 0's CPU (``full_state_dict`` + ``cpu_offload``), so no
+    rank holds the whole model on its device; rank 0 writes. Call it on every rank.
+    """
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out_dir = Path(out_dir)
+    tmp = partial_dir(out_dir)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank() == 0:
+        tdtype = DTYPES[dtype]
+        hf_sd = {k: v.to(tdtype).contiguous() for k, v in spec.state_dict_adapter(args).to_hf(full).items()}
+        _write_safetensors(hf_sd, tmp, int(max_shard_gb * 1e9), save_file)
+        config = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture, tdtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer_dir:
+            save_padded_tokenizer(tokenizer_dir, tmp, args.vocab_size)
+    finalize(tmp, out_dir)
+    return out_dir
+
+
+def _write_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, limit: int, save_file) -> None:
+    """One ``model.safetensors``, or shards of at most ``limit`` bytes plus the index transformers reads."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in hf_sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in hf_sd.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def save_padded_tokenizer(tokenizer_dir: str | Path, out_dir: Path, vocab_size: int) -> int:
+    """Saves the tokenizer with ``<|padding_i|>`` tokens added so that len(tokenizer) == vocab_size."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    n_pad = vocab_size - len(tok)
+    if n_pad > 0:
+        tok.add_tokens([f"<|padding_{i}|>" for i in range(n_pad)], special_tokens=True)
+    tok.save_pretrained(str(out_dir))
+    return max(n_pad, 0)
+
+
+@dataclass
+class HFExporter:
+    """What a run's periodic export writes: ``exporter(model, out_dir)`` on every rank."""
+
+    spec: TrainSpec
+    args: TransformerArgs
+    dtype: str
+    tokenizer_dir: str | None
+    max_shard_gb: float
+
+    def __call__(self, model, out_dir: str | Path) -> Path:
+        return export_hf(model, self.args, out_dir, self.dtype, self.tokenizer_dir, self.max_shard_gb, spec=self.spec)

@@ -1,0 +1,65 @@
+"""Training objectives: what a step computes from a batch, chosen by ``[objective] name``.
+
+An objective owns everything between the data and the gradient that differs from one kind of SFT to another:
+
+* ``collate(packs, groups)``: the collator that turns packed examples into a microbatch (its fields are the
+  objective's: shifted labels for causal LM, noised tokens for masked diffusion);
+* ``causal``: the attention mode (causal, or bidirectional within each document);
+* ``begin_step(batch, dataset, first)``: per-step set-up before any forward (e.g. loss denominators all-reduced
+  over ranks, so that the step loss is the same for any number of ranks and microbatches);
+* ``loss(model, microbatch)``: runs the model to hidden states and applies the output head itself (chunked, or
+  only where loss is carried); the returned scalars, summed over microbatches and ranks, are the step loss;
+* ``step_metrics()``: extra fields of the step's train record;
+* ``build_validator()``: what runs every so often and at the end (or None).
+
+Register one with ``titan_sft.registry.register_objective(name, build)`` where ``build(cfg)`` returns an
+:class:`Objective`; the trainer never names a concrete objective.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_sft.config import JobConfig
+
+
+class Validator:
+    """Evaluation a run performs between steps; returns records for metrics.jsonl (``"split"`` set)."""
+
+    def maybe_validate(self, step: int, total_steps: int, model: torch.nn.Module,
+                       last_export: Path | None) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+
+class Objective:
+    """Base class of objectives; see the module docstring for the contract."""
+
+    causal: bool = True
+
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+
+    def collate(self, packs: list, groups: list[int]) -> Any:
+        raise NotImplementedError
+
+    def begin_step(self, batch: Any, dataset: Any, first: bool) -> None:
+        """Called once per optimizer step with all of this rank's microbatches, before any forward."""
+
+    def loss(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step_metrics(self) -> dict[str, Any]:
+        return {}
+
+    def build_validator(self) -> Validator | None:
+        return None
+
+
+def build_objective(cfg: JobConfig) -> Objective:
+    """The objective named by ``[objective] name`` (a KeyError lists the registered ones)."""
+    from titan_sft.registry import get_objective
+
+    return get_objective(cfg.objective.name)(cfg)

@@ -1,0 +1,89 @@
+"""Process-group set-up, gradient clipping and cross-rank agreement: the distributed plumbing of a run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_sft.config import ConfigError, JobConfig
+from titan_sft.parallel.parallel_dims import ParallelDims
+
+
+@dataclass
+class DistInfo:
+    """Where this process stands: its rank, device, layout and mesh."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: DeviceMesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.mesh)
+
+    @property
+    def dp_world(self) -> int:
+        return self.dims.dp_world
+
+
+def init_distributed(cfg: JobConfig) -> DistInfo:
+    """Initialises the process group (NCCL on GPU, gloo on CPU) and the device mesh.
+
+    A plain ``python -m titan_sft.train`` (no torchrun) runs as a one-process group. The attention backend is
+    checked against the device here, so an impossible choice stops the run before any work.
+    """
+    from titan_sft.models.attention import BackendUnavailable, check_backend
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = ParallelDims.from_config(cfg, world)
+    mesh = dims.build_mesh(device.type)
+    try:
+        check_backend(cfg.model.attention, device)
+    except BackendUnavailable as e:
+        raise ConfigError(str(e)) from None
+    if cfg.training.deterministic:
+        torch.use_deterministic_algorithms(True)
+    return DistInfo(rank, world, local_rank, device, dims, mesh)
+
+
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """Global L2 norm of all gradients over all shards (pre-clip: what is logged), then clipping if max_norm > 0."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm.item()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any (so all ranks take the same branch, e.g. stop at one step)."""
+    t = torch.tensor(float(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def shutdown() -> None:
+    """Waits for every rank, then tears the process group down (gloo needs the barrier first)."""
+    dist.barrier()
+    dist.destroy_process_group()
