@@ -27,9 +27,10 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
     dist.init_process_group("gloo")
-    from titan_sft.checkpoint import export_hf
+    from titan_sft.hf_io import export_hf
     from titan_sft.models import build_model
     from titan_sft.models.qwen3 import QWEN3_FLAVORS
+    from titan_sft.registry import get_train_spec
 
     base = QWEN3_FLAVORS["1.7B"]
     per_layer = base.num_params() - dataclasses.replace(base, n_layers=0).num_params()
@@ -74,7 +75,7 @@ def main() -> None:
     stager.close()
     t_block, t_stage = statistics.median(returns), statistics.median(staging)
     t_load = timed(lambda i: dcp.load(state, checkpoint_id=str(root / f"sync{i}")))
-    t_export = timed(lambda i: export_hf(model, args, root / f"hf{i}", "bfloat16"))
+    t_export = timed(lambda i: export_hf(model, args, root / f"hf{i}", "bfloat16", spec=get_train_spec("qwen3")))
     print(f"state: {args.num_params() / 1e9:.2f}B params, {gb:.2f} GB fp32 (Qwen3 dim 2048, {layers} layers)")
     print(f"DCP save   {t_save:.2f}s  {gb / t_save:.2f} GB/s")
     print(f"DCP load   {t_load:.2f}s  {gb / t_load:.2f} GB/s")

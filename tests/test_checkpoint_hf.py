@@ -13,14 +13,17 @@ import torch
 from conftest import save_tiny_hf
 from safetensors.torch import load_file
 
-from titan_sft.checkpoint import export_hf, find_checkpoints
+from titan_sft.checkpoint import find_checkpoints
 from titan_sft.convert import from_hf, to_hf
-from titan_sft.models import build_model, hf_safetensors_files, load_hf
-from titan_sft.models.hf_adapter import args_from_hf_config, read_hf_config
+from titan_sft.hf_io import export_hf, hf_safetensors_files, read_hf_config
+from titan_sft.models import build_model, load_hf
+from titan_sft.models.hf_adapter import args_from_hf_config
 from titan_sft.models.qwen3 import QWEN3_FLAVORS
+from titan_sft.registry import get_train_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_TOK = str(ROOT / "titan_sft" / "assets" / "debug_tokenizer")
+QWEN3 = get_train_spec("qwen3")
 
 
 def debug_model(tied=True):
@@ -44,7 +47,7 @@ def test_fp32_export_matches_native_in_transformers(tmp_path, tied):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = debug_model(tied)
-    out = export_hf(model, model.args, tmp_path / "hf", "float32", DEBUG_TOK)
+    out = export_hf(model, model.args, tmp_path / "hf", "float32", DEBUG_TOK, spec=QWEN3)
     assert not list(tmp_path.glob("*.partial"))
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     x = torch.randint(0, 261, (2, 33))
@@ -68,7 +71,7 @@ def test_bf16_export_is_native_rounded_and_sharded(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = debug_model()
-    out = export_hf(model, model.args, tmp_path / "hf", "bfloat16", DEBUG_TOK, max_shard_gb=0.0003)
+    out = export_hf(model, model.args, tmp_path / "hf", "bfloat16", DEBUG_TOK, max_shard_gb=0.0003, spec=QWEN3)
     files = hf_safetensors_files(out)
     assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
     assert all(f.stat().st_size <= 0.0003e9 + 64_000 for f in files)  # header slack

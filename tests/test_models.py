@@ -10,6 +10,7 @@ from titan_sft.models.attention import positions_from_cu_seqlens
 from titan_sft.models.hf_adapter import hf_config_from_args, native_to_hf_name
 from titan_sft.models.llama3 import LLAMA3_FLAVORS
 from titan_sft.models.qwen3 import QWEN3_FLAVORS
+from titan_sft.registry import get_train_spec
 
 KINDS = ["qwen3_tied", "qwen3_untied", "llama3"]
 
@@ -64,15 +65,18 @@ def test_gradients_match(pair):
         assert rel.item() < 1e-5, name
 
 
-def test_loss_call_form_equals_logits(pair):
+def test_hidden_states_and_head_equal_logits(pair):
+    """The training path (hidden states, then the objective's chunked head + CE) equals CE of the logits."""
+    from titan_sft.loss import chunked_cross_entropy_sum
+
     _, path = pair
     model = load_hf(path)
     x = torch.randint(0, 320, (2, 24))
     y = torch.randint(0, 320, (2, 24))
     y[0, :5] = -100
-    model.loss_chunk_size = 7
     ref = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum", ignore_index=-100)
-    assert torch.allclose(model(x, labels=y), ref, rtol=1e-6)
+    loss = chunked_cross_entropy_sum(model(x, hidden_only=True), model.output.weight, y, 7)
+    assert torch.allclose(loss, ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
@@ -106,7 +110,8 @@ def test_param_count_equals_hf(family, flavor):
 
     args = (QWEN3_FLAVORS if family == "qwen3" else LLAMA3_FLAVORS)[flavor]
     native = build_model(args)  # meta device
-    cfg = hf_config_from_args(args)
+    spec = get_train_spec(family)
+    cfg = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture)
     hf_cfg = AutoConfig.for_model(**cfg)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_cfg)
@@ -147,6 +152,6 @@ def test_legacy_rope_config_keys():
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     args = args_from_hf_config(legacy)
     assert args.rope_theta == 500000.0 and args.rope_scaling.factor == 8.0 and args.head_dim == 16
-    new = hf_config_from_args(args)
+    new = hf_config_from_args(args, "llama", "LlamaForCausalLM")
     again = args_from_hf_config(new)
     assert again.rope_scaling == args.rope_scaling and again.rope_theta == args.rope_theta

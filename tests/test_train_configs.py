@@ -8,7 +8,7 @@ import pytest
 
 from titan_sft.config import load_config
 from titan_sft.registry import TrainSpec, get_train_spec, list_train_specs, register_train_spec
-from titan_sft.train import dry_run
+from titan_sft.dry_run import dry_run
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,10 @@ from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from titan_sft.checkpoint import load_hf_weights
-from titan_sft.models import build_model, hf_safetensors_files
-from titan_sft.models.hf_adapter import args_from_hf_config, native_to_hf_name, read_hf_config
+from titan_sft.hf_io import hf_safetensors_files, load_hf_weights, read_hf_config
+from titan_sft.models import build_model
+from titan_sft.models.hf_adapter import args_from_hf_config, native_to_hf_name
+from titan_sft.registry import get_train_spec
 
 path = sys.argv[1]
 dist.init_process_group("gloo")
@@ -22,7 +23,7 @@ for block in model.layers.values():
     fully_shard(block, mesh=mesh)
 fully_shard(model, mesh=mesh)
 model.to_empty(device="cpu")
-load_hf_weights(model, args, path)
+load_hf_weights(model, args, path, get_train_spec("qwen3"))
 ref = {}
 for f in hf_safetensors_files(path):
     ref.update(load_file(str(f)))
