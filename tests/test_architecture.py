@@ -134,7 +134,7 @@ def test_causal_lm_objective_loss_and_checks(one_rank_group):
     direct = 0.0
     for mb in mbs:
         logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions)
-        direct += F.cross_entropy(logits[0], mb.labels[0], reduction="sum").item() / mb.n_loss_tokens / 2
+        direct += F.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(), reduction="sum").item() / mb.n_loss_tokens / 2
     assert total == pytest.approx(direct, rel=1e-6)  # the chunked loss sums in fp32
     wrong = np.zeros(len(ds))  # a dataset whose stored counts disagree with the collated labels
     with pytest.raises(StartupCheckError, match="loss denominators"):

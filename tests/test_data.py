@@ -203,16 +203,18 @@ def test_collator_hand_worked_example():
     # one pack of L=8: doc A (3 tokens), doc B (4 tokens), 1 padding
     tokens = np.array([10, 11, 12, 20, 21, 22, 23, 0], dtype=np.int32)
     mask = np.array([0, 1, 1, 0, 0, 1, 1, 0], dtype=np.uint8)
-    pack2 = (np.array([30, 31, 32, 33], dtype=np.int32), np.array([0, 0, 1, 1], dtype=np.uint8), np.array([4]))
+    # a second pack: doc C (4 tokens), 4 padding
+    pack2 = (np.array([30, 31, 32, 33, 0, 0, 0, 0], dtype=np.int32), np.array([0, 0, 1, 1, 0, 0, 0, 0], dtype=np.uint8),
+             np.array([4]))
     mb = collate([(tokens, mask, np.array([3, 4])), pack2], groups=[0, 1])
-    assert mb.input_ids.tolist() == [[10, 11, 12, 20, 21, 22, 23, 0, 30, 31, 32, 33]]
-    assert mb.labels.tolist() == [[11, 12, -100, -100, 22, 23, -100, -100, -100, 32, 33, -100]]
-    assert mb.cu_seqlens.tolist() == [0, 3, 7, 8, 12]
-    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
-    assert mb.groups.tolist() == [[0] * 8 + [1] * 4]
+    assert mb.input_ids.tolist() == [[10, 11, 12, 20, 21, 22, 23, 0], [30, 31, 32, 33, 0, 0, 0, 0]]
+    assert mb.labels.tolist() == [[11, 12, -100, -100, 22, 23, -100, -100], [-100, 32, 33, -100, -100, -100, -100, -100]]
+    assert mb.cu_seqlens.tolist() == [0, 3, 7, 8, 12, 16]  # over the flattened rows; row ends are boundaries
+    assert mb.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]
+    assert mb.groups.tolist() == [[0] * 8, [1] * 8]
     assert mb.n_loss_tokens == 6 and mb.max_seqlen == 4
     mb = collate([(tokens, mask, np.array([3, 4])), pack2], groups=[0, 0], reset_positions=True)
-    assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0, 1, 2, 3]]
+    assert mb.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 0, 1, 2, 3]]
 
 
 def test_sampler_recipe_order_sharding_and_resume():

@@ -155,3 +155,21 @@ def test_legacy_rope_config_keys():
     new = hf_config_from_args(args, "llama", "LlamaForCausalLM")
     again = args_from_hf_config(new)
     assert again.rope_scaling == args.rope_scaling and again.rope_theta == args.rope_theta
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_packed_rows_get_per_row_masks(pair, backend):
+    """Two packed rows in one microbatch: the sdpa mask is [rows, 1, T, T] (none spans both rows) and each row's
+    output equals the row run alone."""
+    _, path = pair
+    model = load_hf(path, attention=backend)
+    x = torch.randint(0, 320, (2, 24))
+    cu = torch.tensor([0, 10, 24, 48], dtype=torch.int32)  # row 0: docs of 10 and 14; row 1: one doc of 24
+    mask = model.backend.prepare(2, 24, torch.device("cpu"), cu)
+    if backend == "sdpa":
+        assert mask.dense.shape == (2, 1, 24, 24)
+    with torch.no_grad():
+        both = model(x, cu_seqlens=cu)
+        first = model(x[:1], cu_seqlens=torch.tensor([0, 10, 24], dtype=torch.int32))
+        second = model(x[1:], cu_seqlens=torch.tensor([0, 24], dtype=torch.int32))
+    assert (both[0] - first[0]).abs().max() < 1e-5 and (both[1] - second[0]).abs().max() < 1e-5

@@ -1,7 +1,9 @@
 """Packed examples -> the model's padding-free rows (recipe items 6 and 7).
 
-A microbatch of P packed examples of length L becomes one flattened row [1, P * L] with:
-- ``cu_seqlens``: document boundaries; each pack's trailing padding is a segment of its own;
+A microbatch of P packed examples of length L becomes P rows [P, L] with:
+- ``cu_seqlens``: document boundaries in the flattened P * L tokens (each pack's trailing padding is a segment
+  of its own, and every row boundary is a boundary), so attention masks stay per row and varlen kernels see
+  one flat sequence;
 - ``positions``: 0..L-1 per packed example (the recipe), or restarting at 0 per document (option);
 - ``labels``: position i of a pack predicts x[i+1] iff m[i+1] == 1 and i + 1 < L, else -100; so the last
   position of every pack carries no loss and no target crosses into the next pack;
@@ -20,11 +22,11 @@ from titan_sft.constants import IGNORE_INDEX
 
 @dataclass
 class Microbatch:
-    input_ids: torch.Tensor  # [1, P*L] long
-    labels: torch.Tensor  # [1, P*L] long, -100 where no loss
-    positions: torch.Tensor  # [1, P*L] long
-    cu_seqlens: torch.Tensor  # [n_segments + 1] int32
-    groups: torch.Tensor  # [1, P*L] long, loss group per position
+    input_ids: torch.Tensor  # [P, L] long
+    labels: torch.Tensor  # [P, L] long, -100 where no loss
+    positions: torch.Tensor  # [P, L] long
+    cu_seqlens: torch.Tensor  # [n_segments + 1] int32, over the flattened P * L tokens
+    groups: torch.Tensor  # [P, L] long, loss group per position
     max_seqlen: int
     n_loss_tokens: int
 
@@ -49,7 +51,7 @@ def shifted_labels(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def collate(packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], groups: list[int],
             reset_positions: bool = False) -> Microbatch:
-    """Flattens packed examples (tokens, mask, doc_lens) with their loss groups into one row."""
+    """Stacks packed examples (tokens, mask, doc_lens) of one length with their loss groups into rows."""
     ids, labels, pos, grp, seg_lens = [], [], [], [], []
     for (tokens, mask, doc_lens), g in zip(packs, groups):
         L = len(tokens)
@@ -66,12 +68,13 @@ def collate(packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], groups: list
             pos.append(np.arange(L))
     cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
     labels_np = np.concatenate(labels)
+    rows = len(packs)
     return Microbatch(
-        input_ids=torch.from_numpy(np.concatenate(ids)).unsqueeze(0),
-        labels=torch.from_numpy(labels_np).unsqueeze(0),
-        positions=torch.from_numpy(np.concatenate(pos).astype(np.int64)).unsqueeze(0),
+        input_ids=torch.from_numpy(np.concatenate(ids)).view(rows, -1),
+        labels=torch.from_numpy(labels_np).view(rows, -1),
+        positions=torch.from_numpy(np.concatenate(pos).astype(np.int64)).view(rows, -1),
         cu_seqlens=torch.from_numpy(cu),
-        groups=torch.from_numpy(np.concatenate(grp)).unsqueeze(0),
+        groups=torch.from_numpy(np.concatenate(grp)).view(rows, -1),
         max_seqlen=int(max(seg_lens)),
         n_loss_tokens=int((labels_np != IGNORE_INDEX).sum()),
     )

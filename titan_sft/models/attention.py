@@ -1,15 +1,17 @@
 """Attention with pluggable backends that all honour document boundaries of packed rows.
 
-A packed row is one flattened sequence ``[1, T]`` holding several documents; ``cu_seqlens`` (int32,
-``[n_docs + 1]``, starting at 0 and ending at T) marks where each document starts. Tokens attend only to tokens
-of their own document (causally, or bidirectionally for masked-diffusion objectives). Trailing padding is passed
-as one more segment, so it attends only to itself.
+A batch of packed rows ``[B, T]`` holds several documents per row; ``cu_seqlens`` (int32, ``[n_docs + 1]``,
+from 0 to B * T) marks where each document starts in the flattened ``B * T`` tokens, and every row boundary
+(a multiple of T) is a document boundary. Tokens attend only to tokens of their own document (causally, or
+bidirectionally for masked-diffusion objectives). Trailing padding is passed as one more segment, so it attends
+only to itself.
 
 Backends:
-    sdpa: ``F.scaled_dot_product_attention`` with a dense boolean mask (``[T, T]``). Runs everywhere; it is
+    sdpa: ``F.scaled_dot_product_attention`` with a dense boolean mask per row (``[B, 1, T, T]``; never one
+        spanning rows, whose cost would grow with the square of the whole microbatch). Runs everywhere; it is
         the reference for tests and CPU runs.
-    flex: FlexAttention with a document ``BlockMask``; sparse, so cost grows with the documents' own lengths.
-    flash_varlen: ``flash_attn_varlen_func`` with ``cu_seqlens`` (GPU, flash-attn installed).
+    flex: FlexAttention with a per-row document ``BlockMask``; sparse, so cost grows with the documents' lengths.
+    flash_varlen: ``flash_attn_varlen_func`` with ``cu_seqlens`` over the flattened rows (GPU, flash-attn).
 
 The mask (or block mask) is built once per forward by :meth:`Attention.prepare` and shared by all layers.
 """
@@ -65,13 +67,17 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int, reset: bool)
     return pos.unsqueeze(0)
 
 
-def dense_document_mask(cu_seqlens: torch.Tensor, total: int, causal: bool) -> torch.Tensor:
-    """Boolean ``[total, total]`` mask, True where query i may attend to key j."""
-    seg = segment_ids(cu_seqlens, total)
-    mask = seg[:, None] == seg[None, :]
+def dense_document_mask(cu_seqlens: torch.Tensor, total: int, causal: bool, rows: int = 1) -> torch.Tensor:
+    """Boolean mask per row, ``[rows, 1, T, T]`` with T = total / rows: True where query i may attend to key j.
+
+    Rows are independent (a document never crosses a row boundary), so no mask spans two rows.
+    """
+    t = total // rows
+    seg = segment_ids(cu_seqlens, total).view(rows, t)
+    mask = seg[:, :, None] == seg[:, None, :]
     if causal:
-        mask &= torch.ones(total, total, dtype=torch.bool, device=seg.device).tril()
-    return mask
+        mask &= torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()
+    return mask.unsqueeze(1)
 
 
 @dataclass
@@ -81,7 +87,7 @@ class AttentionMask:
     causal: bool
     cu_seqlens: torch.Tensor | None = None  # int32 [n_docs + 1]; None = one document per row
     max_seqlen: int = 0
-    dense: torch.Tensor | None = None  # sdpa: bool [T, T]
+    dense: torch.Tensor | None = None  # sdpa: bool [B, 1, T, T]
     block_mask: Any = None  # flex: BlockMask
 
 
@@ -95,31 +101,29 @@ class AttentionBackend:
         self.causal = causal
 
     def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> AttentionMask:
-        """Builds the mask for a forward over ``[batch, seqlen]`` tokens."""
-        if cu_seqlens is not None and batch != 1:
-            raise ValueError(f"packed rows (cu_seqlens) must be flattened to batch 1, got batch {batch}")
+        """Builds the mask for a forward over ``[batch, seqlen]`` tokens (``cu_seqlens`` over the flattened rows)."""
         if cu_seqlens is None:
             if self.backend == "sdpa":
                 return AttentionMask(causal=self.causal)
-            if self.backend == "flash_varlen":
-                # One document per row; flash varlen sees the batch flattened.
-                cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
-                return AttentionMask(causal=self.causal, cu_seqlens=cu, max_seqlen=seqlen)
-            cu_seqlens = torch.tensor([0, seqlen], dtype=torch.int32, device=device)  # flex: broadcast over batch
+            # One document per row.
+            cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+        total = batch * seqlen
         if self.backend == "sdpa":
-            return AttentionMask(self.causal, cu_seqlens, dense=dense_document_mask(cu_seqlens, seqlen, self.causal))
+            dense = dense_document_mask(cu_seqlens, total, self.causal, rows=batch)
+            return AttentionMask(self.causal, cu_seqlens, dense=dense)
         if self.backend == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
-            seg = segment_ids(cu_seqlens, seqlen)
+            seg = segment_ids(cu_seqlens, total).view(batch, seqlen)
             causal = self.causal
 
             def mask_mod(b, h, q_idx, kv_idx):
-                same = seg[q_idx] == seg[kv_idx]
+                same = seg[b, q_idx] == seg[b, kv_idx]
                 return (same & (q_idx >= kv_idx)) if causal else same
 
-            block = create_block_mask(mask_mod, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=device)
+            rows = None if batch == 1 else batch
+            block = create_block_mask(mask_mod, B=rows, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=device)
             return AttentionMask(self.causal, cu_seqlens, block_mask=block)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return AttentionMask(self.causal, cu_seqlens, max_seqlen=max_seqlen)

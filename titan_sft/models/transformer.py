@@ -180,9 +180,10 @@ class Transformer(nn.Module):
     Call forms (all take ``input_ids`` LongTensor [B, T]):
 
     * ``model(input_ids)`` -> logits [B, T, vocab], ordinary causal attention, positions 0..T-1.
-    * ``model(input_ids, cu_seqlens=cu)`` with B == 1: a packed row of documents whose boundaries are ``cu``
-      (int32 [n_docs + 1], 0 ... T). Documents never attend to each other. Positions default to 0..T-1 over the
-      whole row (the recipe); pass ``positions`` [1, T] to reset them per document.
+    * ``model(input_ids, cu_seqlens=cu)``: B packed rows of documents whose boundaries in the flattened B * T
+      tokens are ``cu`` (int32 [n_docs + 1], 0 ... B * T; every row boundary is a document boundary). Documents
+      never attend to each other. Positions default to 0..T-1 in each row (the recipe); pass ``positions``
+      [B, T] to reset them per document.
     * ``model(..., hidden_only=True)`` -> final-normed hidden states [B, T, dim], without the output head. This
       is how training calls it: the objective applies ``model.output`` itself (chunk by chunk, or only at the
       positions that carry loss), so [tokens, vocab] logits never exist at once.
@@ -230,7 +231,7 @@ class Transformer(nn.Module):
         b, t = input_ids.shape
         h = self.tok_embeddings(input_ids)
         if positions is None:
-            positions = torch.arange(t, device=input_ids.device).unsqueeze(0)
+            positions = torch.arange(t, device=input_ids.device).unsqueeze(0)  # broadcast over rows
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype)
         mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens)
         for layer in self.layers.values():
