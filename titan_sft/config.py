@@ -143,7 +143,10 @@ class Validation:
 class Parallelism:
     dp_replicate: int = doc(1, "data-parallel replicas (HSDP across groups of ranks)")
     dp_shard: int = doc(-1, "FSDP shards per replica; -1 = the rest of the ranks")
-    tp: int = doc(1, "tensor-parallel degree")
+    tp: int = doc(1, "tensor-parallel degree (with sequence parallel and a vocab-parallel loss)")
+    grad_reduce: Literal["per_microbatch", "last_microbatch"] = doc(
+        "per_microbatch", "reduce-scatter gradients after every microbatch (sharded memory) or only after the "
+                          "last (one collective, but unsharded fp32 gradients in between)")
 
 
 @dataclass
@@ -388,8 +391,9 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             whole per-rank batches of whole microbatches.
     """
     p, t = cfg.parallelism, cfg.training
-    if p.tp != 1:
-        raise ConfigError("config key 'parallelism.tp': tensor parallelism is not available yet; allowed: 1")
+    if p.tp > 1 and t.float8:
+        raise ConfigError("config key 'training.float8': float8 with parallelism.tp > 1 is not supported yet; "
+                          "allowed: false when tp > 1")
     shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
     if p.dp_replicate * shard * p.tp != world_size:
         raise ConfigError(
@@ -406,6 +410,18 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             f"batch global_batch_size / ranks = {t.global_batch_size // dp}"
         )
     return p.dp_replicate, shard, p.tp
+
+
+def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:
+    """Tensor parallel splits heads and (sequence parallel) the packed rows evenly across the tp ranks."""
+    if tp == 1:
+        return
+    if n_heads % tp or n_kv_heads % tp:
+        raise ConfigError(f"config key 'parallelism.tp': {tp} must divide the model's attention heads ({n_heads}) "
+                          f"and key/value heads ({n_kv_heads})")
+    if seq_len % tp:
+        raise ConfigError(f"config key 'parallelism.tp': {tp} must divide the packed sequence length {seq_len} "
+                          "(sequence parallel splits every row)")
 
 
 def check_vocab(dataset_vocab: int, model_vocab: int) -> None:

@@ -1,15 +1,54 @@
 """``python -m titan_sft.train --dry-run``: the plan of a run (recipe item 12), without a GPU, the network or
-real weights: batch, tokens per step, steps and epochs, LR at key steps, decay mask, checkpoint/export cadence."""
+real weights: batch, tokens per step, steps and epochs, LR at key steps, decay mask, checkpoint/export cadence,
+the mesh, the tensor-parallel plan and the memory each rank holds for parameters, gradients and optimizer state.
+
+The layout is planned for ``WORLD_SIZE`` ranks (set by torchrun; set it yourself to plan another size), or for
+the ranks ``[parallelism]`` names when dp_shard is not -1.
+"""
 
 from __future__ import annotations
 
+import os
+
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titan_sft.checkpoint import hook_fires, label
-from titan_sft.config import JobConfig, require_data_path
+from titan_sft.config import JobConfig, check_layout, check_tensor_parallel, require_data_path
 from titan_sft.hf_io import model_args
 from titan_sft.lr_schedule import Schedule, total_steps
+from titan_sft.parallel.tensor_parallel import describe_plan
 from titan_sft.registry import get_objective, get_train_spec
+
+GIB = 2**30
+
+
+def planned_world_size(cfg: JobConfig) -> int:
+    p = cfg.parallelism
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return p.dp_replicate * max(p.dp_shard, 1) * p.tp
+
+
+def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int) -> dict[str, float]:
+    """Bytes per rank of fp32 parameters, fp32 gradients and AdamW state (2 fp32 tensors) for the layout.
+
+    Parameters under a column-/row-wise style of the tensor-parallel plan are split tp ways (norm weights are
+    replicated); FSDP splits everything dp_shard ways. ``deferred_grads``: the whole (unsharded over dp) fp32
+    gradients that ``grad_reduce = "last_microbatch"`` keeps between microbatches.
+    """
+    root, block = plan
+    split = [f for f, st in root.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
+    split += [f"layers.*.{f}" for f, st in block.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
+
+    def is_split(name: str) -> bool:
+        parts = name.split(".")
+        generic = ".".join(["layers", "*", *parts[2:]]) if parts[0] == "layers" else name
+        return any(generic.startswith(f + ".") for f in split)
+
+    per_tp = sum(p.numel() / (tp if tp > 1 and is_split(n) else 1) for n, p in model.named_parameters())
+    sharded = per_tp / dp_shard
+    return {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded, "deferred_grads": 4 * per_tp}
 
 
 def _short(xs: list) -> str:
@@ -39,6 +78,25 @@ def dry_run(cfg: JobConfig) -> str:
     c = cfg.checkpoint
     exports = [label(s) for s in range(1, T + 1) if c.hf_export_interval >= 0 and hook_fires(s, T, c.hf_export_interval)]
     ckpts = [label(s) for s in range(1, T + 1) if hook_fires(s, T, c.interval)]
+    world = planned_world_size(cfg)
+    dp_rep, dp_shard, tp = check_layout(cfg, world)
+    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L)
+    plan = spec.tp_plan_fn()
+    mem = memory_per_rank(model, plan, dp_shard, tp)
+    deferred = cfg.parallelism.grad_reduce == "last_microbatch"
+    layout = [
+        f"mesh: dp_replicate {dp_rep} x dp_shard {dp_shard} x tp {tp} = {world} ranks"
+        f"{' (WORLD_SIZE)' if 'WORLD_SIZE' in os.environ else ''}; each rank takes "
+        f"{B // (dp_rep * dp_shard)} packed examples per step in microbatches of {cfg.training.per_device_batch}",
+        *(["tensor-parallel plan (sequence parallel between blocks, loss parallel on the vocab-split head):",
+           *describe_plan(plan)] if tp > 1 else []),
+        f"memory per rank: parameters {mem['params'] / GIB:.2f} GiB, gradients {mem['grads'] / GIB:.2f} GiB, "
+        f"AdamW state {mem['optimizer'] / GIB:.2f} GiB (fp32, sharded)"
+        + (f"; grad_reduce last_microbatch adds {mem['deferred_grads'] / GIB:.2f} GiB of unsharded gradients "
+           "between microbatches" if deferred else
+           f"; gradients are reduce-scattered every microbatch (last_microbatch would hold "
+           f"{mem['deferred_grads'] / GIB:.2f} GiB unsharded)"),
+    ]
     lines = [
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {cfg.model.attention}",
@@ -58,5 +116,6 @@ def dry_run(cfg: JobConfig) -> str:
         f"loss groups: {cfg.training.loss_groups} of {B // cfg.training.loss_groups} examples (mean of group token means)",
         f"checkpoints every {c.interval} (labels {_short(ckpts)}); HF export every {c.hf_export_interval} "
         f"(labels {_short(exports)}), dtype {c.hf_export_dtype}",
+        *layout,
     ]
     return "\n".join(lines)

@@ -79,7 +79,12 @@ def chunked_cross_entropy_sum(
 
     Returns:
         fp32 scalar; its gradients equal those of the unchunked ``F.cross_entropy(..., reduction="sum")``.
+        A vocab-sharded DTensor head (tensor parallel) goes to :func:`vocab_parallel_cross_entropy_sum`.
     """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        return vocab_parallel_cross_entropy_sum(hidden, weight, labels, chunk_size, weights)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size)
 
 
@@ -87,3 +92,90 @@ def naive_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     """The unchunked reference: materialises all logits. For tests and benchmarks."""
     logits = F.linear(hidden, weight).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The chunked loss with a vocab-sharded head (loss parallel): every tp rank holds rows ``[offset, offset +
+    V_local)`` of the head and the whole (replicated) hidden states. Per chunk the rank computes its slice of the
+    logits; the max, the sum of exponentials and the target logit are reduced across the tp group, so each rank
+    holds at most one chunk of [tokens, V / tp] logits and every rank computes the same loss. The gradient w.r.t.
+    the hidden states is this rank's partial sum (the caller declares it Partial; DTensor reduce-scatters it back
+    to the sequence shards)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_size: int, offset: int, group):
+        import torch.distributed as dist
+
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        w_all = None if weights is None else weights.reshape(-1).float()
+        v_local = weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, h.shape[0], chunk_size):
+            hc, yc = h[start : start + chunk_size], y[start : start + chunk_size]
+            logits = F.linear(hc, weight).float()
+            valid = yc != IGNORE_INDEX
+            wc = valid.float() if w_all is None else w_all[start : start + chunk_size] * valid
+            local_t = yc - offset
+            mine = valid & (local_t >= 0) & (local_t < v_local)  # the target's logit lives on this rank
+            local_t = local_t.clamp(0, v_local - 1)
+            target_logit = torch.where(mine, logits.gather(1, local_t[:, None]).squeeze(1), 0.0)
+            row_max = logits.max(dim=-1).values
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            probs = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk buffer per rank
+            sums = torch.stack([probs.sum(dim=-1), target_logit])
+            dist.all_reduce(sums, group=group)
+            lse = row_max + sums[0].log()
+            total += ((lse - sums[1]) * wc).sum()
+            if not (need_h or need_w):
+                continue
+            g = probs.div_(sums[0][:, None])  # softmax restricted to this rank's vocabulary slice
+            rows = mine.nonzero().squeeze(1)
+            g[rows, local_t[rows]] -= 1.0
+            g.mul_(wc[:, None])
+            g = g.to(hc.dtype)
+            if need_h:
+                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
+            if need_w:
+                if g.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), hc)
+                else:
+                    grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(
+            grad_h if need_h else torch.empty(0), grad_w.to(weight.dtype) if need_w else torch.empty(0)
+        )
+        ctx.shape = hidden.shape
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * grad_out.to(grad_h.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_sum(hidden, weight, labels: torch.Tensor, chunk_size: int = 4096,
+                                     weights: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`chunked_cross_entropy_sum` under tensor parallelism (loss parallel).
+
+    Args:
+        hidden: DTensor [..., dim] on the tp mesh (sequence-sharded or replicated).
+        weight: DTensor [vocab, dim] sharded on the vocabulary (``Shard(0)``) on the same mesh.
+        labels, chunk_size, weights: as for :func:`chunked_cross_entropy_sum` (plain tensors, the full rows).
+
+    Returns:
+        fp32 scalar, the same on every tp rank.
+    """
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh = weight.device_mesh
+    # All-gather the sequence; the gradient coming back is each rank's partial sum over its vocabulary slice.
+    h = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    vocab, tp = weight.shape[0], mesh.size()
+    offset = mesh.get_local_rank() * -(-vocab // tp)  # Shard(0) splits like torch.chunk: earlier ranks get ceil
+    return _VocabParallelCrossEntropy.apply(h, weight.to_local(), labels, weights, chunk_size, offset,
+                                            mesh.get_group())

@@ -31,7 +31,9 @@ class TrainSpec:
     """A model family and the builders of the components a run of it uses. Every field is used by the trainer.
 
     Builder signatures (``cfg`` is the whole ``JobConfig``):
-        parallelize_fn(model, mesh, cfg, device): converters, AC, compile, FSDP2, in place, on the meta model.
+        parallelize_fn(model, mesh, cfg, device, tp_plan): TP, converters, AC, compile, FSDP2, in place, on the
+            meta model.
+        tp_plan_fn() -> (root plan, per-block plan): the family's tensor-parallel plan (``{FQN: ParallelStyle}``).
         build_tokenizer_fn(cfg) -> tokenizer (``len()`` is its vocabulary size).
         build_dataloader_fn(cfg, dp_rank, dp_world, collate_fn, pin_memory) -> loader with ``.dataset``,
             ``.sampler``, ``start(step)``, ``next()`` and ``close()`` (see ``titan_sft.data.loader``).
@@ -48,6 +50,7 @@ class TrainSpec:
     hf_architecture: str  # config.json "architectures" entry written on export
     state_dict_adapter: type  # adapter(args): native <-> HF tensor names
     parallelize_fn: Callable
+    tp_plan_fn: Callable
     build_tokenizer_fn: Callable
     build_dataloader_fn: Callable
     build_optimizer_fn: Callable

@@ -24,16 +24,23 @@ def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch
     split = n // 2
     row = torch.randint(0, vocab_size, (1, n), generator=g)
     cu = torch.tensor([0, split, n], dtype=torch.int32, device=device)
-    base = model(row.to(device), cu_seqlens=cu, hidden_only=True)
+    base = _full(model(row.to(device), cu_seqlens=cu, hidden_only=True))
     cases = [(slice(0, split), slice(split, n), "document 2", "document 1")]
     if not causal:
         cases.append((slice(split, n), slice(0, split), "document 1", "document 2"))
     for changed, kept, kept_name, changed_name in cases:
         other = row.clone()
         other[0, changed] = torch.randint(0, vocab_size, (changed.stop - changed.start,), generator=g)
-        out = model(other.to(device), cu_seqlens=cu, hidden_only=True)
+        out = _full(model(other.to(device), cu_seqlens=cu, hidden_only=True))
         if not torch.equal(base[:, kept], out[:, kept]):
             raise StartupCheckError(
                 f"document isolation check failed for attention backend '{backend}': {kept_name}'s hidden states "
                 f"changed when {changed_name} changed (use --training.skip_startup_checks true to bypass)"
             )
+
+
+def _full(hidden: torch.Tensor) -> torch.Tensor:
+    """The whole hidden states (gathered from the sequence slices under tensor parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    return hidden.full_tensor() if isinstance(hidden, DTensor) else hidden

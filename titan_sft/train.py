@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from titan_sft.config import ConfigError, JobConfig, check_vocab, config_help, load_config
+from titan_sft.config import ConfigError, JobConfig, check_tensor_parallel, check_vocab, config_help, load_config
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
 from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
@@ -36,6 +36,7 @@ class Trainer:
         init_logging(d.rank)
         self.spec = spec = get_train_spec(cfg.model.name)
         self.objective = build_objective(cfg)
+        self.objective.bind(d.dp_group)
         torch.manual_seed(cfg.job.seed)
         if cfg.job.description:
             logger.info(f"[job] {cfg.job.description}")
@@ -50,9 +51,11 @@ class Trainer:
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
         check_vocab(self.dataset.manifest.get("vocab_size", 0), self.args.vocab_size)
+        check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
+        logger.info(f"[init] {d.dims.describe()}")
         with torch.device("meta"):
             model = spec.model_cls(self.args)
-        spec.parallelize_fn(model, d.mesh, cfg, d.device)
+        spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
         model.to_empty(device=d.device)
         self._init_weights(model)
         self.model = model
@@ -122,8 +125,11 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         n_tokens = 0
         mbs = batch.microbatches
+        every_mb = self.cfg.parallelism.grad_reduce == "per_microbatch"
         for k, mb in enumerate(mbs):
-            self.model.set_requires_gradient_sync(k == len(mbs) - 1)
+            # per microbatch: gradients are reduce-scattered into their shards at once (sharded memory);
+            # otherwise they stay whole (fp32) until the last microbatch's backward.
+            self.model.set_requires_gradient_sync(every_mb or k == len(mbs) - 1)
             mb = mb.to(device, non_blocking=True)
             loss = self.objective.loss(self.model, mb)
             loss.backward()
@@ -136,7 +142,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         stats = torch.tensor([loss_sum.item(), float(n_tokens)], dtype=torch.float64)
-        torch.distributed.all_reduce(stats)
+        torch.distributed.all_reduce(stats, group=self.dist.dp_group)  # tp ranks computed the same loss
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

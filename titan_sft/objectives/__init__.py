@@ -6,7 +6,7 @@ An objective owns everything between the data and the gradient that differs from
   objective's: shifted labels for causal LM, noised tokens for masked diffusion);
 * ``causal``: the attention mode (causal, or bidirectional within each document);
 * ``begin_step(batch, dataset, first)``: per-step set-up before any forward (e.g. loss denominators all-reduced
-  over ranks, so that the step loss is the same for any number of ranks and microbatches);
+  over the data-parallel ranks, ``self.dp_group``, so that the step loss is the same for any layout);
 * ``loss(model, microbatch)``: runs the model to hidden states and applies the output head itself (chunked, or
   only where loss is carried); the returned scalars, summed over microbatches and ranks, are the step loss;
 * ``step_metrics()``: extra fields of the step's train record;
@@ -41,6 +41,11 @@ class Objective:
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
+        self.dp_group = None  # the data-parallel process group (None: all ranks); set by bind()
+
+    def bind(self, dp_group) -> None:
+        """Tells the objective which ranks hold different data (tensor-parallel ranks share theirs)."""
+        self.dp_group = dp_group
 
     def collate(self, packs: list, groups: list[int]) -> Any:
         raise NotImplementedError

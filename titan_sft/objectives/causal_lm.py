@@ -55,7 +55,7 @@ class CausalLM(Objective):
         counts = torch.zeros(G, dtype=torch.float64)
         for mb in batch.microbatches:
             counts += torch.bincount(mb.groups[mb.labels != IGNORE_INDEX], minlength=G).double()
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.dp_group)
         if first and not self.cfg.training.skip_startup_checks:
             derived = np.bincount(np.arange(B) // (B // G), weights=dataset.assistant_counts[batch.global_ids],
                                   minlength=G)
@@ -70,7 +70,8 @@ class CausalLM(Objective):
     def loss(self, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
         weights = group_weights(mb.labels, mb.groups, self.counts, self.n_groups)
-        # model.output.weight is the unsharded head here: FSDP does not reshard the root after forward.
+        # model.output.weight is the unsharded head here (FSDP does not reshard the root after forward); under
+        # tensor parallel it is vocab-sharded and the loss runs on vocab slices (loss parallel).
         return chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights)
 
     def step_metrics(self) -> dict:

@@ -23,15 +23,23 @@ class DistInfo:
     local_rank: int
     device: torch.device
     dims: ParallelDims
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # (dp_replicate, dp_shard, tp)
+    dp_flat: DeviceMesh  # the data-parallel ranks as one dimension
 
     @property
     def dp_rank(self) -> int:
-        return self.dims.dp_rank(self.mesh)
+        """This rank's index among the data-parallel ranks (replica-major): it picks this rank's share of a batch.
+        The tp ranks of one data-parallel rank get the same share."""
+        return self.dp_flat.get_local_rank()
 
     @property
     def dp_world(self) -> int:
         return self.dims.dp_world
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The group of data-parallel reductions (token counts, loss sums): tp ranks hold the same data."""
+        return self.dp_flat.get_group()
 
 
 def init_distributed(cfg: JobConfig) -> DistInfo:
@@ -53,21 +61,29 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_config(cfg, world)
-    mesh = dims.build_mesh(device.type)
+    mesh, dp_flat = dims.build_mesh(device.type)
     try:
         check_backend(cfg.model.attention, device)
     except BackendUnavailable as e:
         raise ConfigError(str(e)) from None
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True)
-    return DistInfo(rank, world, local_rank, device, dims, mesh)
+    return DistInfo(rank, world, local_rank, device, dims, mesh, dp_flat)
 
 
 def clip_grad_norm_(params, max_norm: float) -> float:
-    """Global L2 norm of all gradients over all shards (pre-clip: what is logged), then clipping if max_norm > 0."""
+    """Global L2 norm of all gradients over all shards (pre-clip: what is logged), then clipping if max_norm > 0.
+
+    A DTensor gradient whose placements differ from its parameter's (a replicated norm weight used on sharded
+    activations gets a Partial gradient) is first brought to the parameter's placements, so the norm counts
+    each element once and the optimizer sees gradients laid out like the parameters.
+    """
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.grad is not None]
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(placements=p.placements)
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()

@@ -1,4 +1,11 @@
-"""The device mesh of a run, from [parallelism] and the world size."""
+"""The device mesh of a run, from [parallelism] and the world size.
+
+One 3-D mesh ``(dp_replicate, dp_shard, tp)`` (sizes may be 1) with named sub-meshes:
+
+* ``dp`` = (dp_replicate, dp_shard): what FSDP2 shards over (HSDP: replicate across groups, shard within);
+* ``dp_flat``: the same ranks as one dimension, the group of every data-parallel reduction (token counts, loss);
+* ``tp``: tensor/sequence parallel; its ranks see the same data and hold slices of the same layers.
+"""
 
 from __future__ import annotations
 
@@ -25,10 +32,13 @@ class ParallelDims:
     def dp_world(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """2-D (replicate, shard) mesh; HSDP when dp_replicate > 1, plain FSDP otherwise."""
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The 3-D mesh and its flattened data-parallel sub-mesh (kept, not sliced again from the root)."""
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp_flat")
 
-    def dp_rank(self, mesh: DeviceMesh) -> int:
-        """This rank's index among the data-parallel ranks (replica-major), which picks its share of a batch."""
-        return mesh["dp_replicate"].get_local_rank() * self.dp_shard + mesh["dp_shard"].get_local_rank()
+    def describe(self) -> str:
+        return (f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} = "
+                f"{self.world_size} ranks ({'HSDP' if self.dp_replicate > 1 else 'FSDP'}"
+                f"{' x TP + SP' if self.tp > 1 else ''})")

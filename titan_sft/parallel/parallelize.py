@@ -1,7 +1,6 @@
 """Applies parallelism and memory/speed features to a meta-device model, in torchtitan's order:
-model converters (float8, ...) -> activation checkpointing -> per-block torch.compile -> FSDP2 fully_shard (HSDP
-when the mesh has a replicate dimension). Tensor parallelism is not implemented (``config.check_layout`` refuses
-tp > 1).
+tensor/sequence parallel (the family's plan) -> model converters (float8, ...) -> activation checkpointing ->
+per-block torch.compile -> FSDP2 fully_shard over the data-parallel ranks (HSDP when dp_replicate > 1).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
+from titan_sft.parallel.tensor_parallel import TPPlan, apply_tp
 from titan_sft.registry import get_converter
 
 
@@ -52,15 +52,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig,
-                            device: torch.device = torch.device("cpu")) -> nn.Module:
-    """Applies the converters and features the config selects and shards ``model`` over ``mesh`` (in place)."""
+def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, device: torch.device,
+                            tp_plan: TPPlan) -> nn.Module:
+    """Applies the layout and features the config selects to ``model`` (in place).
+
+    Args:
+        mesh: the run's (dp_replicate, dp_shard, tp) mesh (``ParallelDims.build_mesh``).
+        tp_plan: the family's tensor-parallel plan, applied when the tp dimension is larger than 1.
+    """
     t = cfg.training
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], tp_plan)
     for name in (["float8"] if t.float8 else []) + list(cfg.model.converters):
         get_converter(name)(model, cfg, device)
     if t.activation_checkpoint != "none":
         apply_activation_checkpointing(model, t.activation_checkpoint)
     if t.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, DTYPES[t.param_dtype], DTYPES[t.reduce_dtype])
+    apply_fsdp(model, mesh["dp_replicate", "dp_shard"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype])
     return model

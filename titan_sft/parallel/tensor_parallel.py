@@ -1,0 +1,90 @@
+"""Tensor + sequence parallel for the shared decoder (Megatron-style, as torchtitan does it).
+
+Between blocks the residual stream is split along the sequence (sequence parallel): every norm runs on its
+slice of the tokens. Entering attention or the MLP the slices are all-gathered; q/k/v and gate/up are split by
+output (column-wise: each rank computes its own heads), o and down by input (row-wise), whose partial sums are
+reduce-scattered back to sequence slices. The embedding and the output head are split along the vocabulary; the
+loss then runs on vocab slices (``titan_sft.loss.vocab_parallel_cross_entropy_sum``). Qwen3's per-head q/k norms
+keep a replicated weight and see the local heads (sharded on the head dimension); their weight gradients are
+partial sums, reduced across the tp ranks.
+
+A family's plan is ``(root_plan, block_plan)``: ``{submodule FQN: ParallelStyle}`` for the model and for every
+transformer block; ``families/<name>.py`` builds its own from :func:`decoder_tp_plan`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+TPPlan = tuple[dict, dict]
+
+
+def decoder_tp_plan(qk_norm: bool) -> TPPlan:
+    """The plan of the shared decoder; ``qk_norm`` adds Qwen3's per-head norms."""
+    root = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Only the plain call form applies the head as a module (logits gathered); training takes its weight.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    block = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if qk_norm:  # [b, t, local heads, head_dim]: sharded on dim 2, weight replicated
+        block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return root, block
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+    """Applies ``plan`` to ``model`` (on the meta device) and re-ties a shared embedding/head."""
+    root_plan, block_plan = plan
+    parallelize_module(model, tp_mesh, root_plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    if model.args.tie_embeddings:  # both are Shard(0) on the vocabulary: one tensor again
+        model.output.weight = model.tok_embeddings.weight
+
+
+def describe_style(fqn: str, style) -> str:
+    """A short human description of a ParallelStyle for the dry run."""
+    if fqn == "tok_embeddings":
+        return "vocab-parallel embedding, output reduce-scattered to sequence slices"
+    if fqn == "output":
+        return "vocab-parallel head (the loss runs on vocab slices: loss parallel)"
+    if isinstance(style, ColwiseParallel):
+        return "column-wise (each rank its own output features / heads)"
+    if isinstance(style, RowwiseParallel):
+        return "row-wise, partial sums reduce-scattered to sequence slices"
+    if isinstance(style, SequenceParallel):
+        return "sequence parallel" if style.sequence_sharding[0].dim == 1 else "replicated weight on the local heads"
+    if isinstance(style, PrepareModuleInput):
+        return "all-gathers the sequence slices on entry"
+    return type(style).__name__
+
+
+def describe_plan(plan: TPPlan) -> list[str]:
+    root, block = plan
+    lines = [f"  {fqn}: {describe_style(fqn, s)}" for fqn, s in root.items()]
+    lines += [f"  layers.*.{fqn}: {describe_style(fqn, s)}" for fqn, s in block.items()]
+    return lines
