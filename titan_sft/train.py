@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,8 +34,12 @@ class Trainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.stop_signal: int | None = None
+        self._install_signal_handlers()  # early: a preemption warning during start-up must not kill the rank
         self.dist = d = init_distributed(cfg)
         init_logging(d.rank)
+        nodes: list = [None] * d.world  # SLURM's node name where there is one (nodes may share a host in tests)
+        torch.distributed.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        logger.info(f"[init] {d.world} ranks on {len(set(nodes))} node(s): {', '.join(sorted(set(nodes)))}")
         self.spec = spec = get_train_spec(cfg.model.name)
         self.objective = build_objective(cfg)
         self.objective.bind(d.dp_group)
@@ -160,7 +166,6 @@ class Trainer:
         if not cfg.training.skip_startup_checks and self.step == 0:
             check_document_isolation(self.model, self.args.vocab_size, self.seq_len, self.dist.device,
                                      cfg.model.attention, self.objective.causal)
-        self._install_signal_handlers()
         self.first_step = self.sampler.step = self.step
         self.loader.start(self.step)
         while self.step < self.total_steps:
@@ -181,6 +186,9 @@ class Trainer:
                 why = "training.stop_at_step" if planned_stop else f"signal {self.stop_signal}"
                 saved = "; checkpoint saved" if cfg.checkpoint.enable else " (checkpoint.enable is false: not saved)"
                 logger.info(f"[stop] {why}: stopped after step {self.step}{saved}")
+                stop_file = os.environ.get("TITAN_SFT_STOP_FILE")  # the SLURM script requeues when it exists
+                if not planned_stop and stop_file and self.dist.rank == 0:
+                    Path(stop_file).write_text(f"{self.step}\n")
                 return
         logger.info(f"training done: {self.step} steps")
 
