@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.config import JobConfig
 from titan_sft.log import logger
+from titan_sft.parallel.distributed import new_transient_group, release_group, transient_group
 
 
 def label(completed_steps: int) -> int:
@@ -88,7 +89,7 @@ class CheckpointManager:
         self.last_temp_time = time.monotonic()
         self._pending = None  # (future or None, tmp dir, final dir, meta, start time) of a save not yet renamed
         self._staging = None  # future: the pending async save's copy of the state is complete
-        self._async_pg = self._stager = None
+        self._async_pg = self._stager = None  # the pending async save's own group and stager (see save())
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -117,22 +118,25 @@ class CheckpointManager:
             "torch_rng": torch.get_rng_state().tolist(),
             "config": self.run_config,
         }
+        # Every save runs its collectives on a group of its own, released when the save is complete: a long-lived
+        # gloo group slows every later CPU step (parallel/distributed.new_transient_group). It also keeps the
+        # background writes of an async save from interleaving with training collectives.
         if self.cfg.async_mode == "async":
-            if self._async_pg is None:  # a separate group, so background writes never interleave with training
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                self._async_pg = dist.new_group(backend="gloo")
-                cuda = torch.cuda.is_available()
-                # Staging (the copy to host memory) also runs in the background; wait_staged() holds the next
-                # optimizer step until it is done, so the copy overlaps the next forward/backward.
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                            use_async_staging=True, use_non_blocking_copy=cuda))
+            self._async_pg = new_transient_group()
+            cuda = torch.cuda.is_available()
+            # Staging (the copy to host memory) also runs in the background; wait_staged() holds the next
+            # optimizer step until it is done, so the copy overlaps the next forward/backward.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=cuda))
             response = dcp.async_save(self._state(), checkpoint_id=str(tmp), process_group=self._async_pg,
                                       async_stager=self._stager)
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, tmp, final, meta, t0)
         else:
-            dcp.save(self._state(), checkpoint_id=str(tmp))
+            with transient_group() as pg:
+                dcp.save(self._state(), checkpoint_id=str(tmp), process_group=pg)
             self._pending = (None, tmp, final, meta, t0)
             self.wait()
         if temp:
@@ -154,6 +158,9 @@ class CheckpointManager:
         self._pending = None
         if future is not None:
             future.result()
+            self._stager.close()
+            release_group(self._async_pg)
+            self._async_pg = self._stager = None
         if rank() == 0:
             (tmp / "meta.json").write_text(json.dumps(meta))
         finalize(tmp, final)
@@ -161,12 +168,20 @@ class CheckpointManager:
         if meta["kind"] == "regular":
             self._prune()
 
+    def poll(self) -> None:
+        """Finishes a pending async save as soon as every rank's write is done (called once per step), so its
+        group and staging thread are released well before the next save."""
+        if self._pending is None or self._pending[0] is None:
+            return
+        done = torch.tensor(float(self._pending[0].done()))
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.wait()
+
     def close(self) -> None:
-        """Finishes any pending save and stops the staging thread."""
+        """Finishes any pending save (and releases its group and staging thread)."""
         self.wait()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
 
     def _prune(self) -> None:
         k = self.cfg.keep_latest_k
@@ -180,6 +195,7 @@ class CheckpointManager:
         """Saves when Levanter's cadence (``checkpoint.interval``) or the temporary-checkpoint timer says so."""
         if not self.cfg.enable:
             return
+        self.poll()
         if hook_fires(completed_steps, total_steps, self.cfg.interval):
             self.save(completed_steps)
             return
@@ -198,11 +214,13 @@ class CheckpointManager:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
         if meta.get("kind") == "weights_only":  # written by `convert from-hf`: a starting point, step 0
             state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, checkpoint_id=str(path))
+            with transient_group() as pg:
+                dcp.load(state, checkpoint_id=str(path), process_group=pg)
             set_model_state_dict(self.model, state["model"])
             return 0
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        with transient_group() as pg:  # see save()
+            dcp.load(state, checkpoint_id=str(path), process_group=pg)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(meta["lr_scheduler"])

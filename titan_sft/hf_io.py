@@ -135,7 +135,10 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
             raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)))
+    from titan_sft.parallel.distributed import transient_group
+
+    with transient_group() as pg:  # not the long-lived default group: it would slow every later CPU step
+        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)), process_group=pg)
     # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
     # again keeps this correct for wrappers whose state dict holds copies.
     set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
