@@ -97,20 +97,26 @@ class CheckpointManager:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
-    def save(self, completed_steps: int, temp: bool = False) -> Path:
+    def save(self, completed_steps: int, temp: bool = False, kind: str | None = None,
+             extra_meta: dict | None = None) -> Path:
         """Writes a checkpoint to ``<name>.partial`` and renames it into place when complete.
 
-        In async mode this returns once the state is staged in host memory; the write finishes in the background
-        and is finalised by :meth:`wait` (called before the next save and at the end of the run).
+        ``kind``: "regular" (``checkpoints/step-<L>``), "temp" (``checkpoints-temp``, also ``temp=True``) or
+        "best" (``checkpoints-best``, the best held-out loss; never resumed from automatically). In async mode this
+        returns once the state is staged in host memory; the write finishes in the background and is finalised by
+        :meth:`wait` (as soon as :meth:`poll` sees it written, before the next save, at the end of the run).
         """
         self.wait()
-        final = self.root / "checkpoints-temp" if temp else self.root / "checkpoints" / f"step-{label(completed_steps)}"
+        kind = kind or ("temp" if temp else "regular")
+        final = {"temp": self.root / "checkpoints-temp", "best": self.root / "checkpoints-best"}.get(
+            kind, self.root / "checkpoints" / f"step-{label(completed_steps)}")
         t0 = time.monotonic()
         tmp = partial_dir(final)
         meta = {
+            **(extra_meta or {}),
             "step": completed_steps,
             "label": label(completed_steps),
-            "kind": "temp" if temp else "regular",
+            "kind": kind,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "time": time.time(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -139,7 +145,7 @@ class CheckpointManager:
                 dcp.save(self._state(), checkpoint_id=str(tmp), process_group=pg)
             self._pending = (None, tmp, final, meta, t0)
             self.wait()
-        if temp:
+        if kind == "temp":
             self.last_temp_time = time.monotonic()
         return final
 

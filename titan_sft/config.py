@@ -85,7 +85,8 @@ class Training:
         "none", "recompute activations in backward: every block (full) or every other block (selective)")
     compile: bool = doc(False, "torch.compile each transformer block")
     float8: bool = doc(False, "float8 matmuls in the blocks (torchao, row-wise scales; SM >= 8.9, else bf16)")
-    skip_startup_checks: bool = doc(False, "skip the document-isolation and loss-denominator start-up checks")
+    skip_startup_checks: bool = doc(False, "skip the document-isolation start-up check (the loss-denominator "
+                                           "check of the first step always runs)")
     deterministic: bool = doc(False, "torch.use_deterministic_algorithms(True)")
 
 
@@ -121,6 +122,9 @@ class Checkpoint:
         "disabled", "async: stage the state in host memory and write it in the background")
     hf_export_dtype: Literal["bfloat16", "float32", "float16"] = doc("bfloat16", "dtype of HF exports")
     hf_max_shard_size_gb: float = doc(5.0, "largest safetensors file of an HF export, in GB")
+    hf_generation_config: bool = doc(True, "write generation_config.json (EOS ids incl. the chat end-of-turn "
+                                           "token, so vLLM stops at the end of a turn); false reproduces the "
+                                           "reference export")
 
 
 @dataclass
@@ -129,6 +133,7 @@ class Metrics:
     enable_tensorboard: bool = doc(True, "write TensorBoard event files under <dump_folder>/tb")
     wandb_project: str = doc("", "Weights & Biases project; empty disables W&B")
     wandb_id: str = doc("", "W&B run id to resume; empty starts a new run")
+    wandb_run_name: str = doc("", "W&B run name; empty lets W&B choose")
 
 
 @dataclass
@@ -137,6 +142,12 @@ class Validation:
                                         "each prompt and exact match with the last assistant turn; empty disables")
     max_new_tokens: int = doc(32, "tokens generated per held-out prompt")
     max_examples: int = doc(200, "held-out prompts evaluated at most")
+    path: str = doc("", "packed dataset for the held-out loss (prepare's output); empty: none, or holdout_fraction")
+    holdout_fraction: float = doc(0.0, "hold this fraction of the training packs out for the held-out loss "
+                                       "(seeded split; they are not trained on)")
+    holdout_seed: int = doc(0, "seed of that split")
+    interval: int = doc(0, "held-out loss every this many steps (and after the last); 0: only after the last")
+    keep_best: bool = doc(False, "keep the checkpoint with the lowest held-out loss in checkpoints-best/")
 
 
 @dataclass
@@ -358,6 +369,13 @@ def validate(cfg: JobConfig) -> None:
     need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", ">= 0 (0 keeps all)", c.keep_latest_k)
     need(c.hf_max_shard_size_gb > 0, "checkpoint.hf_max_shard_size_gb", "> 0", c.hf_max_shard_size_gb)
     need(cfg.metrics.log_freq >= 1, "metrics.log_freq", ">= 1", cfg.metrics.log_freq)
+    v = cfg.validation
+    need(0 <= v.holdout_fraction < 1, "validation.holdout_fraction", "0 <= fraction < 1", v.holdout_fraction)
+    need(not (v.path and v.holdout_fraction), "validation.holdout_fraction",
+         "0 when validation.path is set (one held-out set)", v.holdout_fraction)
+    need(v.interval >= 0, "validation.interval", ">= 0 (0 = only after the last step)", v.interval)
+    need(not v.keep_best or bool(v.path or v.holdout_fraction), "validation.keep_best",
+         "false unless validation.path or validation.holdout_fraction gives a held-out set", v.keep_best)
     p = cfg.parallelism
     need(p.dp_replicate >= 1, "parallelism.dp_replicate", ">= 1", p.dp_replicate)
     need(p.dp_shard == -1 or p.dp_shard >= 1, "parallelism.dp_shard", "-1 (the rest) or >= 1", p.dp_shard)

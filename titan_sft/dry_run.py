@@ -66,7 +66,10 @@ def dry_run(cfg: JobConfig) -> str:
     ds = PackedDataset(cfg.data.path)
     m = ds.manifest
     args = model_args(cfg.model, spec)
-    T = total_steps(cfg, len(ds))
+    from titan_sft.data.sampler import holdout_split
+
+    trained, held = holdout_split(len(ds), cfg.validation.holdout_fraction, cfg.validation.holdout_seed)
+    T = total_steps(cfg, len(trained))
     B, L = cfg.training.global_batch_size, ds.seq_len
     sched = Schedule.from_config(cfg.lr_scheduler, T)
     lr = cfg.optimizer.lr
@@ -104,8 +107,9 @@ def dry_run(cfg: JobConfig) -> str:
         f"data: {cfg.data.path}: {len(ds):,} packed examples of {L:,} tokens ({m['n_documents']:,} documents, "
         f"{m.get('n_assistant_tokens', 0):,} assistant tokens, {m.get('n_loss_targets', int(ds.assistant_counts.sum())):,} loss targets)",
         f"global batch: {B} packed examples = {B * L:,} tokens per step; per device {cfg.training.per_device_batch}",
+        *([f"held out for validation: {len(held):,} packs (validation.holdout_fraction)"] if len(held) else []),
         f"steps: {T} ({'8 epochs' if cfg.training.steps == 0 else 'explicit'}), presenting {T * B * L:,} tokens = "
-        f"{T * B / len(ds):.2f} epochs",
+        f"{T * B / len(trained):.2f} epochs",
         f"schedule: {cfg.lr_scheduler.decay_type}, warmup {sched.warmup} / stable {sched.stable} / decay {sched.decay} "
         f"steps, base lr {lr:g}, final lr {lr * sched.multiplier(T - 1):.4g}",
         "lr at steps: " + ", ".join(f"{s}: {lr * sched.multiplier(s):.4g}" for s in keys),

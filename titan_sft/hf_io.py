@@ -149,11 +149,14 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
 
 
 def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "bfloat16",
-              tokenizer_dir: str | None = None, max_shard_gb: float = 5.0, *, spec: TrainSpec) -> Path:
-    """Writes an HF directory (config.json, safetensors shards + index, padded tokenizer) atomically.
+              tokenizer_dir: str | None = None, max_shard_gb: float = 5.0, *, spec: TrainSpec,
+              generation_config: bool = True) -> Path:
+    """Writes an HF directory (config.json, generation_config.json, safetensors shards + index, padded tokenizer)
+    atomically.
 
     Parameters are gathered one tensor at a time onto rank 0's CPU (``full_state_dict`` + ``cpu_offload``), so no
-    rank holds the whole model on its device; rank 0 writes. Call it on every rank.
+    rank holds the whole model on its device; rank 0 writes. Call it on every rank. ``generation_config=False``
+    writes what the reference SFT export writes (no generation_config.json).
     """
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -165,10 +168,14 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
         tdtype = DTYPES[dtype]
         hf_sd = {k: v.to(tdtype).contiguous() for k, v in spec.state_dict_adapter(args).to_hf(full).items()}
         _write_safetensors(hf_sd, tmp, int(max_shard_gb * 1e9), save_file)
+        import transformers
+
         config = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture, tdtype)
+        config["transformers_version"] = transformers.__version__
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if tokenizer_dir:
-            save_padded_tokenizer(tokenizer_dir, tmp, args.vocab_size)
+        tokenizer = save_padded_tokenizer(tokenizer_dir, tmp, args.vocab_size) if tokenizer_dir else None
+        if generation_config:
+            (tmp / "generation_config.json").write_text(json.dumps(build_generation_config(config, tokenizer), indent=2))
     finalize(tmp, out_dir)
     return out_dir
 
@@ -198,16 +205,46 @@ def _write_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, limit: int, sa
     )
 
 
-def save_padded_tokenizer(tokenizer_dir: str | Path, out_dir: Path, vocab_size: int) -> int:
-    """Saves the tokenizer with ``<|padding_i|>`` tokens added so that len(tokenizer) == vocab_size."""
+def save_padded_tokenizer(tokenizer_dir: str | Path, out_dir: Path, vocab_size: int):
+    """Saves the tokenizer with ``<|padding_i|>`` tokens added so that len(tokenizer) == vocab_size; returns it.
+
+    The padding rows are plain (non-special) added tokens, as the reference export writes them: they never occur
+    in text, and marking them special would make them look like control tokens to servers and evaluators.
+    """
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     n_pad = vocab_size - len(tok)
     if n_pad > 0:
-        tok.add_tokens([f"<|padding_{i}|>" for i in range(n_pad)], special_tokens=True)
+        tok.add_tokens([f"<|padding_{i}|>" for i in range(n_pad)], special_tokens=False)
     tok.save_pretrained(str(out_dir))
-    return max(n_pad, 0)
+    return tok
+
+
+# Tokens that end an assistant turn in the chat templates titan_sft knows (Qwen3/ChatML, Llama 3).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>")
+
+
+def build_generation_config(config: dict, tokenizer) -> dict:
+    """generation_config.json: the model's EOS ids plus the chat template's end-of-turn token.
+
+    vLLM and transformers stop generating at these ids; without the end-of-turn token a chat fine-tune only stops
+    at the base EOS and runs on to the token limit.
+    """
+    eos = config.get("eos_token_id")
+    ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer is not None:
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+    ids = list(dict.fromkeys(ids))  # unique, in order
+    gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": ids[0] if len(ids) == 1 else ids,
+           "transformers_version": config.get("transformers_version")}
+    pad = config.get("pad_token_id", tokenizer.pad_token_id if tokenizer is not None else None)
+    if pad is not None:
+        gen["pad_token_id"] = pad
+    return {k: v for k, v in gen.items() if v is not None}
 
 
 @dataclass
@@ -219,6 +256,8 @@ class HFExporter:
     dtype: str
     tokenizer_dir: str | None
     max_shard_gb: float
+    generation_config: bool = True
 
     def __call__(self, model, out_dir: str | Path) -> Path:
-        return export_hf(model, self.args, out_dir, self.dtype, self.tokenizer_dir, self.max_shard_gb, spec=self.spec)
+        return export_hf(model, self.args, out_dir, self.dtype, self.tokenizer_dir, self.max_shard_gb, spec=self.spec,
+                         generation_config=self.generation_config)

@@ -61,7 +61,8 @@ class MetricsLogger:
             import wandb
 
             self.wandb = wandb.init(project=cfg.wandb_project, id=cfg.wandb_id or None, resume="allow",
-                                    config=job_cfg.to_dict(), dir=dump_folder, notes=job_cfg.job.description or None)
+                                    config=job_cfg.to_dict(), dir=dump_folder, notes=job_cfg.job.description or None,
+                                    name=cfg.wandb_run_name or None)
 
     def throughput(self, n_tokens: int, seconds: float, world: int) -> dict:
         """``tokens_per_s`` (input tokens per second per device), ``mfu`` (percent, None where the device's peak
@@ -96,7 +97,9 @@ class MetricsLogger:
                         f"grad_norm {record['grad_norm']:.3f}  tok/s/dev {record['tokens_per_s']:,.0f}{mfu}{mem}  "
                         f"eta {_fmt_time(eta)}")
         else:
-            logger.info(" ".join(f"{k} {v}" for k, v in record.items()))
+            fields = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()
+                               if k not in ("split", "step"))
+            logger.info(f"[{split}] step {step}: {fields}")
 
     def close(self) -> None:
         if self.jsonl:

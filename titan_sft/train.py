@@ -27,7 +27,7 @@ from titan_sft.metrics import flops_per_token
 from titan_sft.objectives import build_objective
 from titan_sft.parallel import any_rank, clip_grad_norm_, init_distributed, shutdown
 from titan_sft.registry import get_train_spec
-from titan_sft.startup_checks import check_document_isolation
+from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
 
 class Trainer:
@@ -39,26 +39,23 @@ class Trainer:
         init_logging(d.rank)
         nodes: list = [None] * d.world  # SLURM's node name where there is one (nodes may share a host in tests)
         torch.distributed.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
-        logger.info(f"[init] {d.world} ranks on {len(set(nodes))} node(s): {', '.join(sorted(set(nodes)))}")
+        self.nodes = sorted(set(nodes))
         self.spec = spec = get_train_spec(cfg.model.name)
         self.objective = build_objective(cfg)
         self.objective.bind(d.dp_group)
         torch.manual_seed(cfg.job.seed)
-        if cfg.job.description:
-            logger.info(f"[job] {cfg.job.description}")
 
         # ---- data: dataset, sampler (this data-parallel rank's share) and the objective's collator
         self.loader = spec.build_dataloader_fn(cfg, d.dp_rank, d.dp_world, self.objective.collate,
                                                pin_memory=d.device.type == "cuda")
         self.dataset, self.sampler = self.loader.dataset, self.loader.sampler
         self.seq_len = self.dataset.seq_len
-        self.total_steps = total_steps(cfg, len(self.dataset))
+        self.total_steps = total_steps(cfg, self.sampler.n_packs)  # the packs trained on
 
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
         check_vocab(self.dataset.manifest.get("vocab_size", 0), self.args.vocab_size)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
-        logger.info(f"[init] {d.dims.describe()}")
         with torch.device("meta"):
             model = spec.model_cls(self.args)
         spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
@@ -71,15 +68,33 @@ class Trainer:
         self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps,
                                              flops_per_token(self.args, self.seq_len))
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
-                              cfg.checkpoint.hf_max_shard_size_gb)
+                              cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config)
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
         self.validator = self.objective.build_validator()
+        self._banner()
         self.step = self.checkpointer.resume()
         if self.step:
             logger.info(f"[resume] continuing after step {self.step} of {self.total_steps}")
 
     # -- set-up ----------------------------------------------------------------------------------------------
+    def _banner(self) -> None:
+        """What this run is, on rank 0, before the first step."""
+        cfg, d, m = self.cfg, self.dist, self.dataset.manifest
+        where = f"from {cfg.model.hf_assets_path}" if cfg.model.init_from_hf else f"flavor {cfg.model.flavor}"
+        B, L = cfg.training.global_batch_size, self.seq_len
+        loss_tokens = m.get("n_loss_targets", int(self.dataset.assistant_counts.sum()))
+        for line in (
+            *([f"[job] {cfg.job.description}"] if cfg.job.description else []),
+            f"[init] model {cfg.model.name} ({where}): {self.args.num_params() / 1e6:,.1f}M parameters, attention "
+            f"{cfg.model.attention}, objective {cfg.objective.name}",
+            f"[init] {d.world} ranks on {len(self.nodes)} node(s): {', '.join(self.nodes)}; {d.dims.describe()}",
+            f"[init] data {cfg.data.path}: {len(self.dataset):,} packs of {L:,} tokens, {m.get('n_tokens', 0):,} "
+            f"tokens, {loss_tokens:,} loss tokens",
+            f"[init] {B} packs = {B * L:,} tokens per step, {self.total_steps} steps; output {cfg.job.dump_folder}",
+        ):
+            logger.info(line)
+
     def _init_weights(self, model) -> None:
         """HF weights (each rank reads its own shards) or a seeded random init that is identical for any world
         size: rank 0 builds the full state on CPU and every rank receives its shards (``broadcast_from_rank0``)."""
@@ -163,7 +178,7 @@ class Trainer:
             out = Path(cfg.job.dump_folder)
             out.mkdir(parents=True, exist_ok=True)
             cfg.write_resolved(out / "resolved_config.json")
-        if not cfg.training.skip_startup_checks and self.step == 0:
+        if not cfg.training.skip_startup_checks:  # on resume too: the backend or its masks may have changed
             check_document_isolation(self.model, self.args.vocab_size, self.seq_len, self.dist.device,
                                      cfg.model.attention, self.objective.causal)
         self.first_step = self.sampler.step = self.step
@@ -177,7 +192,7 @@ class Trainer:
             self.checkpointer.maybe_save(self.step, self.total_steps)
             self.checkpointer.maybe_export(self.step, self.total_steps)
             for rec in self.validator.maybe_validate(self.step, self.total_steps, self.model,
-                                                     self.checkpointer.last_export) if self.validator else []:
+                                                     self.checkpointer) if self.validator else []:
                 self.metrics.log(rec)
             planned_stop = self.step == cfg.training.stop_at_step and self.step < self.total_steps
             if any_rank(self.stop_signal is not None) or planned_stop:  # every rank stops at the same step
@@ -234,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
+    except StartupCheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     return 0

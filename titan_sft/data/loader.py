@@ -18,7 +18,7 @@ import numpy as np
 from titan_sft.config import JobConfig, require_data_path
 from titan_sft.data.collator import collate
 from titan_sft.data.dataset import PackedDataset
-from titan_sft.data.sampler import RecipeSampler
+from titan_sft.data.sampler import RecipeSampler, holdout_split
 
 
 @dataclass
@@ -93,9 +93,12 @@ class BatchLoader:
 
 
 def build_loader(cfg: JobConfig, dp_rank: int, dp_world: int, collate_fn: Callable, pin_memory: bool) -> BatchLoader:
-    """The packed dataset of ``data.path``, the recipe sampler for this data-parallel rank, and the loader."""
+    """The packed dataset of ``data.path``, the recipe sampler for this data-parallel rank (over the packs left
+    after ``validation.holdout_fraction``), and the loader."""
     require_data_path(cfg)
     dataset = PackedDataset(cfg.data.path)
-    t = cfg.training
-    sampler = RecipeSampler(len(dataset), t.global_batch_size, dp_rank, dp_world, cfg.data.shuffle, cfg.data.shuffle_seed)
+    t, v = cfg.training, cfg.validation
+    trained, _ = holdout_split(len(dataset), v.holdout_fraction, v.holdout_seed)
+    sampler = RecipeSampler(len(dataset), t.global_batch_size, dp_rank, dp_world, cfg.data.shuffle, cfg.data.shuffle_seed,
+                            subset=trained if v.holdout_fraction else None)
     return BatchLoader(dataset, sampler, t.per_device_batch, t.loss_groups, collate_fn, pin_memory)

@@ -12,7 +12,7 @@ import numpy as np
 
 class RecipeSampler:
     def __init__(self, n_packs: int, global_batch: int, dp_rank: int = 0, dp_world: int = 1,
-                 shuffle: bool = False, seed: int = 0):
+                 shuffle: bool = False, seed: int = 0, subset: np.ndarray | None = None):
         if global_batch % dp_world:
             raise ValueError(
                 f"training.global_batch_size={global_batch} must be divisible by the data-parallel ranks ({dp_world})"
@@ -20,6 +20,10 @@ class RecipeSampler:
         self.n_packs, self.global_batch = n_packs, global_batch
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.shuffle, self.seed = shuffle, seed
+        # The packs trained on, in the recipe's (sequential) order: all, or those left after a held-out split.
+        self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
+        n_packs = n_packs if subset is None else len(self.subset)
+        self.n_packs = n_packs
         self.order = np.random.default_rng(seed).permutation(n_packs) if shuffle else None
         self.step = 0  # next step to hand out
 
@@ -30,7 +34,8 @@ class RecipeSampler:
     def global_indices(self, step: int) -> np.ndarray:
         """Pack ids of the whole global batch of ``step``, in order."""
         idx = (step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)) % self.n_packs
-        return self.order[idx] if self.order is not None else idx
+        idx = self.order[idx] if self.order is not None else idx
+        return self.subset[idx] if self.subset is not None else idx
 
     def local_positions(self) -> np.ndarray:
         """This rank's positions i inside the global batch."""
@@ -52,3 +57,13 @@ class RecipeSampler:
                 raise ValueError(f"cannot resume the data order: checkpoint has {key}={state[key]}, "
                                  f"this run has {getattr(self, key)}")
         self.step = int(state["step"])
+
+
+def holdout_split(n_packs: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(trained packs, held-out packs), both sorted: a seeded choice of max(1, int(fraction * n)) packs is held
+    out; fraction 0 holds none out."""
+    if fraction <= 0:
+        return np.arange(n_packs), np.arange(0)
+    k = max(1, int(fraction * n_packs))
+    held = np.sort(np.random.default_rng(seed).permutation(n_packs)[:k])
+    return np.setdiff1d(np.arange(n_packs), held), held

@@ -18,7 +18,6 @@ Register one with ``titan_sft.registry.register_objective(name, build)`` where `
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,11 +26,24 @@ from titan_sft.config import JobConfig
 
 
 class Validator:
-    """Evaluation a run performs between steps; returns records for metrics.jsonl (``"split"`` set)."""
+    """Evaluation a run performs between steps; returns records for metrics.jsonl (``"split"`` set).
 
-    def maybe_validate(self, step: int, total_steps: int, model: torch.nn.Module,
-                       last_export: Path | None) -> list[dict[str, Any]]:
+    Called on every rank after each step's checkpoint and export (``checkpointer.last_export`` is the newest HF
+    export; ``checkpointer.save(step, kind="best")`` keeps a best checkpoint).
+    """
+
+    def maybe_validate(self, step: int, total_steps: int, model: torch.nn.Module, checkpointer) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+
+class Validators(Validator):
+    """Several validators, run in order."""
+
+    def __init__(self, validators: list[Validator]):
+        self.validators = validators
+
+    def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict[str, Any]]:
+        return [r for v in self.validators for r in v.maybe_validate(step, total_steps, model, checkpointer)]
 
 
 class Objective:

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,7 +22,7 @@ from titan_sft.constants import IGNORE_INDEX
 from titan_sft.data.collator import Microbatch, collate
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
-from titan_sft.objectives import Objective, Validator
+from titan_sft.objectives import Objective, Validator, Validators
 from titan_sft.registry import register_objective
 from titan_sft.startup_checks import StartupCheckError
 
@@ -56,7 +54,7 @@ class CausalLM(Objective):
         for mb in batch.microbatches:
             counts += torch.bincount(mb.groups[mb.labels != IGNORE_INDEX], minlength=G).double()
         dist.all_reduce(counts, group=self.dp_group)
-        if first and not self.cfg.training.skip_startup_checks:
+        if first:  # always: a wrong denominator silently changes every gradient
             derived = np.bincount(np.arange(B) // (B // G), weights=dataset.assistant_counts[batch.global_ids],
                                   minlength=G)
             if not np.array_equal(counts.numpy(), derived):
@@ -79,7 +77,71 @@ class CausalLM(Objective):
 
     def build_validator(self) -> Validator | None:
         v = self.cfg.validation
-        return ExactMatchValidator(v.generation_eval_path, v.max_new_tokens, v.max_examples) if v.generation_eval_path else None
+        validators: list[Validator] = []
+        if v.path or v.holdout_fraction:
+            validators.append(HeldOutLoss(self.cfg, self.collate, self.dp_group))
+        if v.generation_eval_path:
+            validators.append(ExactMatchValidator(v.generation_eval_path, v.max_new_tokens, v.max_examples))
+        return Validators(validators) if validators else None
+
+
+class HeldOutLoss(Validator):
+    """Cross-entropy per loss-carrying token over a held-out packed dataset (``validation.path``) or the packs
+    ``validation.holdout_fraction`` kept out of training, every ``validation.interval`` steps and after the last.
+
+    The held-out loss is the token mean over the whole set (not the training step's mean of group means, which
+    depends on how packs fall into groups). Every data-parallel rank evaluates its share (packs r, r + W, ...) and
+    the sums are all-reduced; ranks with one pack fewer run a masked copy so that all run the same forwards.
+    With ``validation.keep_best`` the checkpoint of the lowest loss is kept in ``checkpoints-best/``.
+    """
+
+    def __init__(self, cfg: JobConfig, collate_fn, dp_group):
+        from titan_sft.data.dataset import PackedDataset
+        from titan_sft.data.sampler import holdout_split
+
+        v = cfg.validation
+        if v.path:
+            self.dataset = PackedDataset(v.path)
+            self.ids = np.arange(len(self.dataset))
+        else:
+            self.dataset = PackedDataset(cfg.data.path)
+            self.ids = holdout_split(len(self.dataset), v.holdout_fraction, v.holdout_seed)[1]
+        self.collate, self.dp_group = collate_fn, dp_group
+        self.interval, self.keep_best = v.interval, v.keep_best
+        self.per_device, self.chunk = cfg.training.per_device_batch, cfg.training.loss_chunk_size
+        self.best = float("inf")
+
+    def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
+        if not (step == total_steps or (self.interval and step % self.interval == 0)):
+            return []
+        loss, n_tokens = self.evaluate(model)
+        record = {"split": "validation", "step": step, "loss": loss, "n_loss_tokens": n_tokens, "n_packs": len(self.ids)}
+        if self.keep_best and loss < self.best:
+            self.best = loss
+            checkpointer.save(step, kind="best", extra_meta={"validation_loss": loss})
+            record["best"] = True
+        return [record]
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> tuple[float, int]:
+        rank, world = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+        mine = self.ids[rank::world]
+        per_rank = -(-len(self.ids) // world)
+        device = next(model.parameters()).device
+        sums = torch.zeros(2, dtype=torch.float64)
+        for start in range(0, per_rank, self.per_device):
+            picks = range(start, min(start + self.per_device, per_rank))
+            packs = [self.dataset[int(mine[j] if j < len(mine) else self.ids[0])] for j in picks]
+            mb = self.collate(packs, [0] * len(packs))
+            for row, j in enumerate(picks):
+                if j >= len(mine):  # padding forward: same shapes, no loss
+                    mb.labels[row] = IGNORE_INDEX
+            mb = mb.to(device)
+            hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+            total = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk)
+            sums += torch.tensor([total.item(), float((mb.labels != IGNORE_INDEX).sum().item())], dtype=torch.float64)
+        dist.all_reduce(sums, group=self.dp_group)
+        return sums[0].item() / max(sums[1].item(), 1.0), int(sums[1].item())
 
 
 class ExactMatchValidator(Validator):
@@ -89,8 +151,9 @@ class ExactMatchValidator(Validator):
     def __init__(self, path: str, max_new_tokens: int, max_examples: int):
         self.path, self.max_new_tokens, self.max_examples = path, max_new_tokens, max_examples
 
-    def maybe_validate(self, step: int, total_steps: int, model, last_export: Path | None) -> list[dict]:
+    def maybe_validate(self, step: int, total_steps: int, model, checkpointer) -> list[dict]:
         rank = dist.get_rank() if dist.is_initialized() else 0
+        last_export = checkpointer.last_export
         if step != total_steps or last_export is None or rank != 0:
             return []
         from titan_sft.evaluate import evaluate_exact_match
