@@ -143,3 +143,79 @@ def test_held_out_loss_records_and_best_checkpoint(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["n_loss_tokens"] == b["n_loss_tokens"]
     meta = json.loads((tmp_path / "1" / "checkpoints-best" / "meta.json").read_text())
     assert meta["kind"] == "best" and meta["step"] == 4 and meta["validation_loss"] == val[1]["loss"]
+
+
+def _dataset_with_empty_packs(tmp_path, empty=(4, 5)):
+    """Prepare 120 debug conversations (so doc_sources names their rows), then blank the loss of some packs, as
+    data from another pipeline might arrive."""
+    from titan_sft.data.prepare import prepare
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join((ROOT / "titan_sft/assets/debug_data/train.jsonl").read_text().splitlines(True)[:120]))
+    out = tmp_path / "ds"
+    prepare([str(src)], DEBUG_TOK, 128, str(out), workers=1, progress=False)
+    mask = np.load(out / "assistant_mask.npy")
+    counts = np.load(out / "assistant_counts.npy")
+    mask[list(empty)] = 0
+    counts[list(empty)] = 0
+    np.save(out / "assistant_mask.npy", mask)
+    np.save(out / "assistant_counts.npy", counts)
+    return src, out
+
+
+@pytest.mark.slow
+def test_empty_loss_group_names_packs_and_rows_or_is_skipped(tmp_path):
+    from test_parallel import run
+
+    src, ds = _dataset_with_empty_packs(tmp_path)
+    base = ["--data.path", str(ds), "--training.steps", "4", "--checkpoint.hf_export_interval", "-1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "titan_sft.train", "--config", "train_configs/debug_model.toml", *base,
+                        "--training.global_batch_size", "4", "--training.loss_groups", "2",
+                        "--job.dump_folder", str(tmp_path / "stop")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 2
+    # step 2 holds packs 4-7; group 0 (packs 4, 5) has no loss token; each pack's rows are named
+    line = next(x for x in r.stderr.splitlines() if x.startswith("error:"))
+    assert "step 2: loss group(s) [0] have no loss-carrying target" in line
+    assert f"pack 4: {src}:" in line and f"pack 5: {src}:" in line and "skip_empty_loss_groups" in line
+    records = run(1, tmp_path / "skip", *base, "--training.skip_empty_loss_groups", "true")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["skipped"] is True and records[1]["skipped_total"] == 1 and "loss" not in records[1]
+    assert all("loss" in r for r in records if r["step"] != 2)
+
+
+def test_prepare_names_conversations_truncated_to_no_loss(tmp_path, capsys):
+    from titan_sft.data.prepare import prepare
+
+    long_user = {"messages": [{"role": "user", "content": "upper: " + "abcd " * 200},
+                              {"role": "assistant", "content": "ABCD"}]}
+    ok = {"messages": [{"role": "user", "content": "upper: ab"}, {"role": "assistant", "content": "AB"}]}
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in (ok, long_user, ok)) + "\n")
+    m = prepare([str(src)], DEBUG_TOK, 64, str(tmp_path / "out"), workers=1, progress=True)
+    assert m["overlength"]["dropped_no_loss_after_truncation"] == 1
+    assert m["overlength"]["first_dropped_no_loss"] == [f"{src}:2"]
+    assert f"all truncated away by --seq-len 64; first: {src}:2" in capsys.readouterr().err
+    sources = np.load(tmp_path / "out" / "doc_sources.npy")
+    assert sorted(sources[:, 1].tolist()) == [1, 3] and set(sources[:, 0].tolist()) == {0}
+
+
+def test_reference_format_dataset_reads(tmp_path):
+    """The reference SFT pipeline's packed data: no n_packs/format_version in the manifest, a signed 0/1 mask."""
+    import shutil
+
+    from titan_sft.data.dataset import DatasetError, PackedDataset
+
+    ref = tmp_path / "ref"
+    shutil.copytree(ROOT / "titan_sft/assets/debug_data/packed", ref)
+    m = json.loads((ref / "manifest.json").read_text())
+    del m["n_packs"], m["format_version"]
+    (ref / "manifest.json").write_text(json.dumps(m))
+    np.save(ref / "assistant_mask.npy", np.load(ref / "assistant_mask.npy").astype(np.int8))
+    ds, ours = PackedDataset(ref), PackedDataset(ROOT / "titan_sft/assets/debug_data/packed")
+    assert len(ds) == len(ours) == 1111 and ds.reference_format
+    for i in (0, 500, 1110):
+        assert all(np.array_equal(a, b) for a, b in zip(ds[i], ours[i]))
+    np.save(ref / "assistant_mask.npy", np.load(ref / "assistant_mask.npy") * -1)
+    with pytest.raises(DatasetError, match="values outside 0/1 in a signed mask; rewrite it as uint8"):
+        PackedDataset(ref)

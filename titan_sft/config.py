@@ -88,6 +88,8 @@ class Training:
     skip_startup_checks: bool = doc(False, "skip the document-isolation start-up check (the loss-denominator "
                                            "check of the first step always runs)")
     deterministic: bool = doc(False, "torch.use_deterministic_algorithms(True)")
+    skip_empty_loss_groups: bool = doc(False, "skip (count and report) a step with a loss group that has no loss "
+                                              "token, instead of stopping with the packs and source rows named")
 
 
 @dataclass

@@ -86,6 +86,8 @@ class MetricsLogger:
                     self.tb.add_scalar(f"{split}/{key}", value, step)
         if self.wandb:
             self.wandb.log({f"{split}/{k}": v for k, v in record.items() if k != "split"}, step=step)
+        if record.get("skipped"):
+            return
         if split == "train":
             if self.start_step is None:
                 self.start_step, self.t_start = step - 1, time.monotonic() - record["step_time_s"]

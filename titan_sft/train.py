@@ -24,7 +24,7 @@ from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
 from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import flops_per_token
-from titan_sft.objectives import build_objective
+from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import any_rank, clip_grad_norm_, init_distributed, shutdown
 from titan_sft.registry import get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
@@ -140,7 +140,14 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
         batch = self.loader.next()
-        self.objective.begin_step(batch, self.dataset, first=batch.step == self.first_step)
+        skip = self.objective.begin_step(batch, self.dataset, first=batch.step == self.first_step)
+        if skip is not None:  # the same on every rank: no forward, no update; the schedule keeps its pace
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.lr_scheduler.step()
+            self.skipped += 1
+            logger.warning(f"[skip] {skip} ({self.skipped} skipped so far)")
+            return {"split": "train", "step": batch.step + 1, "skipped": True, "reason": skip, "lr": lr,
+                    "n_loss_tokens": 0, "skipped_total": self.skipped}
         t0 = time.perf_counter()
         device = self.dist.device
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -182,6 +189,7 @@ class Trainer:
             check_document_isolation(self.model, self.args.vocab_size, self.seq_len, self.dist.device,
                                      cfg.model.attention, self.objective.causal)
         self.first_step = self.sampler.step = self.step
+        self.skipped = 0
         self.loader.start(self.step)
         while self.step < self.total_steps:
             record = self.train_step()
@@ -205,7 +213,8 @@ class Trainer:
                 if not planned_stop and stop_file and self.dist.rank == 0:
                     Path(stop_file).write_text(f"{self.step}\n")
                 return
-        logger.info(f"training done: {self.step} steps")
+        logger.info(f"training done: {self.step} steps" + (f", {self.skipped} skipped (empty loss groups)"
+                                                           if self.skipped else ""))
 
     def close(self) -> None:
         self.checkpointer.close()
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trainer.train()
-    except StartupCheckError as e:
+    except (StartupCheckError, BatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

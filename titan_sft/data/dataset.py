@@ -15,7 +15,12 @@ class DatasetError(ValueError):
 
 
 class PackedDataset:
-    """``len(ds)`` packs; ``ds[i]`` -> (tokens [L] int32, assistant mask [L] uint8, doc_lens [k] int32)."""
+    """``len(ds)`` packs; ``ds[i]`` -> (tokens [L] int32, assistant mask [L] 0/1, doc_lens [k] int32).
+
+    Also reads what the reference SFT pipeline writes: a manifest without ``n_packs``/``format_version`` (taken
+    from tokens.npy) and a signed 0/1 mask. ``doc_sources`` ([n_documents, 2]: input file index in
+    ``manifest["input_files"]``, line number) is there when prepare wrote it, so errors can name the source rows.
+    """
 
     FILES = ("tokens.npy", "assistant_mask.npy", "doc_lens.npy", "pack_offsets.npy", "assistant_counts.npy")
 
@@ -28,11 +33,17 @@ class PackedDataset:
             self.manifest = m = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
             raise DatasetError(f"{mpath}: not valid JSON ({e})") from None
-        for key in ("max_seq_len", "n_packs", "n_documents", "format_version"):
+        for key in ("max_seq_len", "n_documents"):
             if key not in m:
                 raise DatasetError(f"{mpath}: no '{key}'")
-        if m["format_version"] != FORMAT_VERSION:
+        if m.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise DatasetError(f"{mpath}: format_version {m['format_version']}, this titan_sft reads {FORMAT_VERSION}")
+        self.reference_format = "format_version" not in m  # written by the reference pipeline
+        if "n_packs" not in m:
+            try:  # the reference format: the packs are the rows of tokens.npy
+                m["n_packs"] = int(np.load(self.path / "tokens.npy", mmap_mode="r").shape[0])
+            except (OSError, ValueError) as e:
+                raise DatasetError(f"{mpath}: no 'n_packs', and tokens.npy is unreadable ({e})") from None
         arrays = {}
         for name in self.FILES:
             f = self.path / name
@@ -45,19 +56,26 @@ class PackedDataset:
         P, L, D = m["n_packs"], m["max_seq_len"], m["n_documents"]
         expect = {
             "tokens.npy": ((P, L), "i"),
-            "assistant_mask.npy": ((P, L), "u"),
+            "assistant_mask.npy": ((P, L), "iu"),
             "doc_lens.npy": ((D,), "i"),
             "pack_offsets.npy": ((P + 1,), "i"),
             "assistant_counts.npy": ((P,), "i"),
         }
         for name, (shape, kind) in expect.items():
             a = arrays[name]
-            if a.shape != shape or a.dtype.kind != kind:
+            if a.shape != shape or a.dtype.kind not in kind:
                 raise DatasetError(
                     f"{self.path / name}: shape {a.shape} dtype {a.dtype}, manifest implies shape {shape} ({kind}-kind)"
                 )
         self.tokens = arrays["tokens.npy"]
         self.assistant_mask = arrays["assistant_mask.npy"]
+        if self.assistant_mask.dtype.kind == "i":  # signed (reference format): must still be 0/1
+            first = np.asarray(self.assistant_mask[: min(P, 64)])
+            if first.size and (first.min() < 0 or first.max() > 1):
+                raise DatasetError(f"{self.path / 'assistant_mask.npy'}: values outside 0/1 in a signed mask; "
+                                   "rewrite it as uint8 0/1 (np.save(path, (mask > 0).astype(np.uint8)))")
+        sources = self.path / "doc_sources.npy"
+        self.doc_sources = np.load(sources, mmap_mode="r") if sources.is_file() else None
         self.doc_lens = np.asarray(arrays["doc_lens.npy"])
         self.pack_offsets = np.asarray(arrays["pack_offsets.npy"])
         self.assistant_counts = np.asarray(arrays["assistant_counts.npy"]).astype(np.int64)
@@ -76,3 +94,17 @@ class PackedDataset:
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = self.pack_offsets[i], self.pack_offsets[i + 1]
         return np.asarray(self.tokens[i]), np.asarray(self.assistant_mask[i]), self.doc_lens[lo:hi]
+
+    def describe_sources(self, packs) -> str:
+        """Where the documents of ``packs`` came from: ``file:line`` per document when prepare recorded it."""
+        parts = []
+        for p in packs:
+            lo, hi = int(self.pack_offsets[p]), int(self.pack_offsets[p + 1])
+            if self.doc_sources is None:
+                parts.append(f"pack {p}: documents {lo}..{hi - 1}")
+                continue
+            files = self.manifest.get("input_files", [])
+            rows = [f"{files[int(f)] if int(f) < len(files) else f'input {int(f)}'}:{int(line)}"
+                    for f, line in np.asarray(self.doc_sources[lo:hi])]
+            parts.append(f"pack {p}: {', '.join(rows)}")
+        return "; ".join(parts)

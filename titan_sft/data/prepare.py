@@ -97,7 +97,7 @@ def _encode_batch(batch: list[tuple[str, int, str]]) -> list[tuple]:
                     file, lineno, _ = batch[slot]
                     encoded.append(("bad", file, lineno, f"chat template failed: {e}"))
         for (slot, _), enc in zip(good, encoded):
-            out[slot] = enc if isinstance(enc[0], str) else ("ok", enc[0], enc[1])
+            out[slot] = enc if isinstance(enc[0], str) else ("ok", enc[0], enc[1], batch[slot][0], batch[slot][1])
     return out
 
 
@@ -110,6 +110,7 @@ class Stats:
     dropped_overlength: int = 0
     dropped_no_loss: int = 0
     first_bad: list = field(default_factory=list)
+    first_no_loss: list = field(default_factory=list)
 
 
 class Progress:
@@ -246,6 +247,8 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
     stats = Stats()
     bar = Progress(progress)
     lens: list[int] = []
+    sources: list[tuple[int, int]] = []  # (input file index, line number) of every kept conversation
+    file_index = {str(f): i for i, f in enumerate(files)}
     tok_f = open(tmp / "_scratch_tokens.bin", "wb")
     mask_f = open(tmp / "_scratch_mask.bin", "wb")
     batches = _batches(iter_lines(files), BATCH_LINES)
@@ -262,7 +265,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
                     if len(stats.first_bad) < 20:
                         stats.first_bad.append(f"{file}:{lineno}: {reason}")
                     continue
-                _, ids, mask = res
+                _, ids, mask, file, lineno = res
                 stats.conversations += 1
                 stats.tokens += len(ids)
                 if len(ids) > seq_len:
@@ -272,11 +275,14 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
                     ids, mask = ids[:seq_len], mask[:seq_len]
                     if not mask[1:].any():
                         stats.dropped_no_loss += 1
+                        if len(stats.first_no_loss) < 20:
+                            stats.first_no_loss.append(f"{file}:{lineno}")
                         continue
                     stats.truncated += 1
                 tok_f.write(ids.tobytes())
                 mask_f.write(mask.tobytes())
                 lens.append(len(ids))
+                sources.append((file_index[str(file)], lineno))
             bar.update(stats)
     finally:
         if pool:
@@ -286,6 +292,9 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
     bar.update(stats, final=True)
     if stats.bad_rows:
         log(f"skipped {stats.bad_rows} bad rows; first: {stats.first_bad[0]}")
+    if stats.dropped_no_loss:
+        log(f"dropped {stats.dropped_no_loss} conversations whose assistant tokens were all truncated away by "
+            f"--seq-len {seq_len}; first: {', '.join(stats.first_no_loss[:5])}")
     if not lens:
         raise PrepareError("no usable conversations in the input")
 
@@ -298,6 +307,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
     tokens = np.lib.format.open_memmap(tmp / "tokens.npy", mode="w+", dtype=np.int32, shape=(n_packs, seq_len))
     amask = np.lib.format.open_memmap(tmp / "assistant_mask.npy", mode="w+", dtype=np.uint8, shape=(n_packs, seq_len))
     doc_lens = np.empty(len(lens_arr), dtype=np.int32)
+    doc_sources = np.empty((len(lens_arr), 2), dtype=np.int64)  # in pack order, like doc_lens
     offsets = np.zeros(n_packs + 1, dtype=np.int64)
     counts = np.zeros(n_packs, dtype=np.int64)
     used = np.zeros(n_packs, dtype=np.int64)
@@ -309,6 +319,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
             tokens[p, pos : pos + n] = src_tok[starts[i] : starts[i] + n]
             amask[p, pos : pos + n] = src_mask[starts[i] : starts[i] + n]
             doc_lens[d] = n
+            doc_sources[d] = sources[i]
             d += 1
             pos += n
         offsets[p + 1] = d
@@ -321,6 +332,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
     os.remove(tmp / "_scratch_tokens.bin")
     os.remove(tmp / "_scratch_mask.bin")
     np.save(tmp / "doc_lens.npy", doc_lens)
+    np.save(tmp / "doc_sources.npy", doc_sources)
     np.save(tmp / "pack_offsets.npy", offsets)
     np.save(tmp / "assistant_counts.npy", counts)
     n_tokens = int(lens_arr.sum())
@@ -339,7 +351,9 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
         "padding_fraction": round(padding_fraction, 6),
         "packing_efficiency": round(1.0 - padding_fraction, 6),
         "overlength": {"policy": overlength, "truncated": stats.truncated,
-                       "dropped": stats.dropped_overlength, "dropped_no_loss_after_truncation": stats.dropped_no_loss},
+                       "dropped": stats.dropped_overlength, "dropped_no_loss_after_truncation": stats.dropped_no_loss,
+                       "first_dropped_no_loss": stats.first_no_loss},
+        "input_files": [str(f) for f in files],
         "bad_rows": {"policy": on_bad_row, "skipped": stats.bad_rows, "first": stats.first_bad},
         "tokens_dtype": "int32",
         "_fill": used,

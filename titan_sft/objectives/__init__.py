@@ -25,6 +25,10 @@ import torch
 from titan_sft.config import JobConfig
 
 
+class BatchError(RuntimeError):
+    """A batch the objective cannot train on (bad data that passed prepare); the message names what and where."""
+
+
 class Validator:
     """Evaluation a run performs between steps; returns records for metrics.jsonl (``"split"`` set).
 
@@ -62,8 +66,10 @@ class Objective:
     def collate(self, packs: list, groups: list[int]) -> Any:
         raise NotImplementedError
 
-    def begin_step(self, batch: Any, dataset: Any, first: bool) -> None:
-        """Called once per optimizer step with all of this rank's microbatches, before any forward."""
+    def begin_step(self, batch: Any, dataset: Any, first: bool) -> str | None:
+        """Called once per optimizer step with all of this rank's microbatches, before any forward. Returns None
+        to run the step, or (the same on every rank) the reason to skip it without an update."""
+        return None
 
     def loss(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
         raise NotImplementedError

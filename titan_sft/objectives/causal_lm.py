@@ -22,9 +22,13 @@ from titan_sft.constants import IGNORE_INDEX
 from titan_sft.data.collator import Microbatch, collate
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
-from titan_sft.objectives import Objective, Validator, Validators
+from titan_sft.objectives import BatchError, Objective, Validator, Validators
 from titan_sft.registry import register_objective
 from titan_sft.startup_checks import StartupCheckError
+
+
+class EmptyLossGroupError(BatchError):
+    """A step's loss group has no loss-carrying token: its mean is undefined."""
 
 
 def group_weights(labels: torch.Tensor, groups: torch.Tensor, counts: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -46,9 +50,10 @@ class CausalLM(Objective):
     def collate(self, packs: list, groups: list[int]) -> Microbatch:
         return collate(packs, groups, self.reset_positions)
 
-    def begin_step(self, batch, dataset, first: bool) -> None:
+    def begin_step(self, batch, dataset, first: bool) -> str | None:
         """All-reduces the loss-carrying targets of each group (the denominators N_group); on the first step
-        checks them against the dataset's ``assistant_counts`` (recipe item 10)."""
+        checks them against the dataset's ``assistant_counts`` (recipe item 10). A group without any target
+        stops the run, naming its packs and their source rows, or skips the step (``skip_empty_loss_groups``)."""
         G, B = self.n_groups, self.global_batch
         counts = torch.zeros(G, dtype=torch.float64)
         for mb in batch.microbatches:
@@ -60,10 +65,17 @@ class CausalLM(Objective):
             if not np.array_equal(counts.numpy(), derived):
                 raise StartupCheckError(f"loss denominators {counts.tolist()} differ from the dataset's "
                                         f"assistant_counts {derived.tolist()} (recipe item 10)")
-        if (counts == 0).any():
-            raise RuntimeError(f"step {batch.step}: loss group(s) {torch.nonzero(counts == 0).flatten().tolist()} "
-                               "have no loss-carrying target (recipe item 6)")
         self.counts = counts
+        if (counts == 0).any():
+            empty = torch.nonzero(counts == 0).flatten().tolist()
+            size = B // G
+            packs = [int(p) for g in empty for p in batch.global_ids[g * size : (g + 1) * size]]
+            why = (f"step {batch.step + 1}: loss group(s) {empty} have no loss-carrying target (recipe item 6); "
+                   f"their packs: {dataset.describe_sources(packs)}")
+            if not self.cfg.training.skip_empty_loss_groups:
+                raise EmptyLossGroupError(why + " (--training.skip_empty_loss_groups true skips such steps)")
+            return why
+        return None
 
     def loss(self, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
