@@ -219,3 +219,49 @@ def test_reference_format_dataset_reads(tmp_path):
     np.save(ref / "assistant_mask.npy", np.load(ref / "assistant_mask.npy") * -1)
     with pytest.raises(DatasetError, match="values outside 0/1 in a signed mask; rewrite it as uint8"):
         PackedDataset(ref)
+
+
+def _hub_cache(root: Path, repo: str, files: dict[str, str]) -> None:
+    """The huggingface_hub cache layout: models--owner--name/{refs/main, snapshots/<rev>/...}."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / f"models--{repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(rev)
+    snap = repo_dir / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for name, text in files.items():
+        (snap / name).write_text(text)
+
+
+def test_recipe_dry_runs_from_a_hub_cache_without_weights_or_data(tmp_path):
+    from titan_sft.models.hf_adapter import hf_config_from_args
+
+    spec = get_train_spec("qwen3")
+    config = hf_config_from_args(spec.flavors["8B"], "qwen3", "Qwen3ForCausalLM")
+    tok_files = {f: (ROOT / "titan_sft/assets/debug_tokenizer" / f).read_text()
+                 for f in ("tokenizer.json", "tokenizer_config.json")}
+    _hub_cache(tmp_path / "hub", "Qwen/Qwen3-8B", {"config.json": json.dumps(config), **tok_files})
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "titan_sft.train", "--config", "train_configs/qwen3_8b.toml", "--dry-run"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "model: qwen3 (from Qwen/Qwen3-8B), 8,190.7M parameters" in r.stdout
+    assert "is not prepared yet" in r.stdout and "steps: 2000 (explicit)" in r.stdout
+    assert "warmup 100 / stable 100 / decay 1800" in r.stdout
+    empty = subprocess.run(cmd, cwd=ROOT, env={**env, "HF_HUB_CACHE": str(tmp_path / "empty")},
+                           capture_output=True, text=True)
+    assert empty.returncode == 2
+    assert "python -m titan_sft.download Qwen/Qwen3-8B --to DIR" in empty.stderr
+    assert "huggingface-cli download Qwen/Qwen3-8B" in empty.stderr
+
+
+def test_download_copies_a_cached_model_atomically(tmp_path):
+    _hub_cache(tmp_path / "hub", "org/tiny", {"config.json": "{}", "model.safetensors": "x", "README.md": "no"})
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "titan_sft.download", "org/tiny", "--to", str(tmp_path / "out")],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    again = subprocess.run([sys.executable, "-m", "titan_sft.download", "org/tiny", "--to", str(tmp_path / "out")],
+                           cwd=ROOT, env=env, capture_output=True, text=True)
+    assert again.returncode == 2 and "already exists" in again.stderr

@@ -56,34 +56,66 @@ def _short(xs: list) -> str:
 
 
 def dry_run(cfg: JobConfig) -> str:
-    """The plan as text (one fact per line)."""
+    """The plan as text (one fact per line). Without the packed dataset (not prepared yet) the plan still shows
+    the model, layout and memory, and the schedule when ``training.steps`` is explicit."""
+    from pathlib import Path
+
     from titan_sft.data.dataset import PackedDataset
+    from titan_sft.data.sampler import holdout_split
     from titan_sft.optimizer import decay_groups
 
     spec = get_train_spec(cfg.model.name)
     get_objective(cfg.objective.name)  # an unknown objective fails here, as it would at start
     require_data_path(cfg)
-    ds = PackedDataset(cfg.data.path)
-    m = ds.manifest
+    ds = PackedDataset(cfg.data.path) if Path(cfg.data.path).exists() else None
     args = model_args(cfg.model, spec)
-    from titan_sft.data.sampler import holdout_split
-
-    trained, held = holdout_split(len(ds), cfg.validation.holdout_fraction, cfg.validation.holdout_seed)
-    T = total_steps(cfg, len(trained))
-    B, L = cfg.training.global_batch_size, ds.seq_len
-    sched = Schedule.from_config(cfg.lr_scheduler, T)
+    B = cfg.training.global_batch_size
+    if ds is not None:
+        m, L = ds.manifest, ds.seq_len
+        trained, held = holdout_split(len(ds), cfg.validation.holdout_fraction, cfg.validation.holdout_seed)
+        T = total_steps(cfg, len(trained))
+        data_lines = [
+            f"data: {cfg.data.path}: {len(ds):,} packed examples of {L:,} tokens ({m['n_documents']:,} documents, "
+            f"{m.get('n_assistant_tokens', 0):,} assistant tokens, "
+            f"{m.get('n_loss_targets', int(ds.assistant_counts.sum())):,} loss targets)",
+            f"global batch: {B} packed examples = {B * L:,} tokens per step; per device {cfg.training.per_device_batch}",
+            *([f"held out for validation: {len(held):,} packs (validation.holdout_fraction)"] if len(held) else []),
+            f"steps: {T} ({'8 epochs' if cfg.training.steps == 0 else 'explicit'}), presenting {T * B * L:,} tokens = "
+            f"{T * B / len(trained):.2f} epochs",
+        ]
+    else:
+        L, T = None, cfg.training.steps
+        data_lines = [
+            f"data: {cfg.data.path} is not prepared yet (python -m titan_sft.data.prepare ... --out {cfg.data.path}); "
+            "tokens per step and epochs follow from it",
+            f"global batch: {B} packed examples per step; per device {cfg.training.per_device_batch}",
+            f"steps: {T} (explicit)" if T else "steps: 8 epochs of the packed data (known once it is prepared)",
+        ]
     lr = cfg.optimizer.lr
     with torch.device("meta"):
         model = spec.model_cls(args)
     decay, no_decay = decay_groups(model)
-    keys = sorted({0, 1, sched.warmup - 1, sched.warmup, sched.warmup + sched.stable - 1,
-                   sched.warmup + sched.stable, T // 2, T - 1} & set(range(T)))
+    schedule_lines = []
     c = cfg.checkpoint
-    exports = [label(s) for s in range(1, T + 1) if c.hf_export_interval >= 0 and hook_fires(s, T, c.hf_export_interval)]
-    ckpts = [label(s) for s in range(1, T + 1) if hook_fires(s, T, c.interval)]
+    if T:
+        sched = Schedule.from_config(cfg.lr_scheduler, T)
+        keys = sorted({0, 1, sched.warmup - 1, sched.warmup, sched.warmup + sched.stable - 1,
+                       sched.warmup + sched.stable, T // 2, T - 1} & set(range(T)))
+        exports = [label(s) for s in range(1, T + 1)
+                   if c.hf_export_interval >= 0 and hook_fires(s, T, c.hf_export_interval)]
+        ckpts = [label(s) for s in range(1, T + 1) if hook_fires(s, T, c.interval)]
+        schedule_lines = [
+            f"schedule: {cfg.lr_scheduler.decay_type}, warmup {sched.warmup} / stable {sched.stable} / decay "
+            f"{sched.decay} steps, base lr {lr:g}, final lr {lr * sched.multiplier(T - 1):.4g}",
+            "lr at steps: " + ", ".join(f"{s}: {lr * sched.multiplier(s):.4g}" for s in keys),
+        ]
+        cadence = (f"checkpoints every {c.interval} (labels {_short(ckpts)}); HF export every {c.hf_export_interval} "
+                   f"(labels {_short(exports)}), dtype {c.hf_export_dtype}")
+    else:
+        cadence = f"checkpoints every {c.interval}; HF export every {c.hf_export_interval}, dtype {c.hf_export_dtype}"
     world = planned_world_size(cfg)
     dp_rep, dp_shard, tp = check_layout(cfg, world)
-    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L)
+    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
     plan = spec.tp_plan_fn()
     mem = memory_per_rank(model, plan, dp_shard, tp)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
@@ -104,22 +136,14 @@ def dry_run(cfg: JobConfig) -> str:
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {cfg.model.attention}",
         f"objective: {cfg.objective.name}",
-        f"data: {cfg.data.path}: {len(ds):,} packed examples of {L:,} tokens ({m['n_documents']:,} documents, "
-        f"{m.get('n_assistant_tokens', 0):,} assistant tokens, {m.get('n_loss_targets', int(ds.assistant_counts.sum())):,} loss targets)",
-        f"global batch: {B} packed examples = {B * L:,} tokens per step; per device {cfg.training.per_device_batch}",
-        *([f"held out for validation: {len(held):,} packs (validation.holdout_fraction)"] if len(held) else []),
-        f"steps: {T} ({'8 epochs' if cfg.training.steps == 0 else 'explicit'}), presenting {T * B * L:,} tokens = "
-        f"{T * B / len(trained):.2f} epochs",
-        f"schedule: {cfg.lr_scheduler.decay_type}, warmup {sched.warmup} / stable {sched.stable} / decay {sched.decay} "
-        f"steps, base lr {lr:g}, final lr {lr * sched.multiplier(T - 1):.4g}",
-        "lr at steps: " + ", ".join(f"{s}: {lr * sched.multiplier(s):.4g}" for s in keys),
+        *data_lines,
+        *schedule_lines,
         f"weight decay {cfg.optimizer.weight_decay:g} on {len(decay)} tensors; excluded ({len(no_decay)}): norms, "
         f"token embedding{' (tied with the head)' if args.tie_embeddings else ''}, biases",
         f"clip to global norm {cfg.training.max_grad_norm:g}; AdamW betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2})"
         f", eps {cfg.optimizer.eps:g}",
         f"loss groups: {cfg.training.loss_groups} of {B // cfg.training.loss_groups} examples (mean of group token means)",
-        f"checkpoints every {c.interval} (labels {_short(ckpts)}); HF export every {c.hf_export_interval} "
-        f"(labels {_short(exports)}), dtype {c.hf_export_dtype}",
+        cadence,
         *layout,
     ]
     return "\n".join(lines)

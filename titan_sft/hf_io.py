@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,40 @@ from titan_sft.registry import TrainSpec, spec_for_hf_model_type
 # reading
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What an HF model directory needs from the hub (titan_sft.download, and the cache lookup below).
+HF_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+            "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "*.jinja"]
+
+
+def resolve_hf_dir(path_or_id: str | Path) -> Path:
+    """An HF model directory: ``path_or_id`` itself, or the huggingface_hub cache snapshot of that hub id.
+
+    Raises:
+        FileNotFoundError: neither; the message names both ways to get it.
+    """
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    name = str(path_or_id)
+    if HUB_ID.match(name):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            return Path(cached).parent
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    raise FileNotFoundError(
+        f"model.hf_assets_path: '{name}' is neither a local directory nor a model in the huggingface_hub cache "
+        f"({HF_HUB_CACHE}); either download it to a directory (python -m titan_sft.download {name} --to DIR, then "
+        f"hf_assets_path = DIR) or into the cache (huggingface-cli download {name}) and keep the hub id"
+    )
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of an HF directory."""
-    path = Path(path) / "config.json"
+    """The parsed ``config.json`` of an HF directory (or hub id in the huggingface_hub cache)."""
+    path = resolve_hf_dir(path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
     return json.loads(path.read_text())
@@ -39,7 +71,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def hf_safetensors_files(path: str | Path) -> list[Path]:
     """The safetensors files of an HF directory: the index's shards, or the single ``model.safetensors``."""
-    path = Path(path)
+    path = resolve_hf_dir(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -138,7 +170,7 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     from titan_sft.parallel.distributed import transient_group
 
     with transient_group() as pg:  # not the long-lived default group: it would slow every later CPU step
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)), process_group=pg)
+        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(resolve_hf_dir(path))), process_group=pg)
     # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
     # again keeps this correct for wrappers whose state dict holds copies.
     set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
@@ -213,7 +245,7 @@ def save_padded_tokenizer(tokenizer_dir: str | Path, out_dir: Path, vocab_size: 
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(tokenizer_dir)), local_files_only=True)
     n_pad = vocab_size - len(tok)
     if n_pad > 0:
         tok.add_tokens([f"<|padding_{i}|>" for i in range(n_pad)], special_tokens=False)

@@ -14,8 +14,9 @@ from titan_sft.config import JobConfig
 def build_tokenizer(cfg: JobConfig):
     """The run's tokenizer: ``model.tokenizer_path``, else ``model.hf_assets_path``."""
     from titan_sft.data.chat import load_tokenizer
+    from titan_sft.hf_io import resolve_hf_dir
 
-    return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
+    return load_tokenizer(resolve_hf_dir(cfg.model.tokenizer_path or cfg.model.hf_assets_path))
 
 
 def standard_components() -> dict[str, Callable[..., Any]]:
