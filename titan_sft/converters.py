@@ -21,6 +21,24 @@ def float8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _import_torchao_float8():
+    """torchao's float8 API, imported without the noise of its optional kernels: it logs a warning for every
+    prebuilt extension that does not load here (MX/CUTLASS kernels, unused by float8 training) and registers a
+    pytree constant that torch now flags as deprecated. Errors still get through."""
+    import logging
+
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    return Float8LinearConfig, convert_to_float8_training
+
+
 def apply_float8(model: nn.Module, emulate: bool = False) -> None:
     """torchao float8 training for every block linear (dims divisible by 16); the output head stays bf16.
 
@@ -28,7 +46,7 @@ def apply_float8(model: nn.Module, emulate: bool = False) -> None:
     tensor-wise scale would let one document's activations change another's quantisation, breaking the
     recipe's document isolation. ``emulate`` runs the float8 casts with bf16/fp32 matmuls (CPU tests).
     """
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    Float8LinearConfig, convert_to_float8_training = _import_torchao_float8()
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, nn.Linear) and fqn.startswith("layers.") and mod.in_features % 16 == 0 and mod.out_features % 16 == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.grad is not None]
+    # The norm of gradients sharded over (dp_shard, tp) is reduced one mesh dimension at a time: two all-reduces
+    # of one scalar, about which DTensor warns on every step. Not worth a line per step.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for p in params:
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(placements=p.placements)
