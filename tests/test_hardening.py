@@ -265,3 +265,29 @@ def test_download_copies_a_cached_model_atomically(tmp_path):
     again = subprocess.run([sys.executable, "-m", "titan_sft.download", "org/tiny", "--to", str(tmp_path / "out")],
                            cwd=ROOT, env=env, capture_output=True, text=True)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_on_an_export_on_cpu(tmp_path):
+    """python -m titan_sft.evaluate with the hf backend on the debug model's export and a local task."""
+    from titan_sft.hf_io import export_hf
+
+    model = debug_model()
+    export_hf(model, model.args, tmp_path / "hf", "float32", DEBUG_TOK, spec=get_train_spec("qwen3"))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = ROOT / "tests" / "data" / "lm_eval" / "titan_upper.jsonl"
+    (tasks / "titan_upper.yaml").write_text(
+        (ROOT / "tests" / "data" / "lm_eval" / "titan_upper.yaml").read_text().replace("DATA_FILE", str(data)))
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "ds"),
+           "OMP_NUM_THREADS": "2"}
+    r = subprocess.run([sys.executable, "-m", "titan_sft.evaluate", "--hf", str(tmp_path / "hf"), "--tasks",
+                        "titan_upper", "--backend", "hf", "--include-path", str(tasks), "--output",
+                        str(tmp_path / "results.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    acc = json.loads((tmp_path / "results.json").read_text())["results"]["titan_upper"]["acc,none"]
+    assert acc in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 two-way questions, scored by the model's log-likelihoods
+    assert "titan_upper" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "titan_sft.evaluate", "--hf", str(tmp_path), "--tasks", "x"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "not an HF directory" in bad.stderr
