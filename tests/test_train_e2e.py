@@ -108,13 +108,25 @@ def test_signal_stops_every_rank_cleanly_with_a_checkpoint(tmp_path, sig):
 def test_activation_checkpointing_compile_and_float8_paths(tmp_path):
     steps = ["--training.steps", "3"]
     plain = run(1, tmp_path / "plain", *steps)
-    ac = run(1, tmp_path / "ac", *steps, "--training.activation_checkpoint", "full")
-    assert [r["loss"] for r in ac] == [r["loss"] for r in plain]  # recomputation changes nothing
-    sel = run(1, tmp_path / "sel", *steps, "--training.activation_checkpoint", "selective")
-    assert [r["loss"] for r in sel] == [r["loss"] for r in plain]
-    comp = run(1, tmp_path / "compile", *steps, "--training.compile", "true")
+    for mode in ("full", "selective", "every_n"):  # recomputation changes nothing
+        ac = run(1, tmp_path / mode, *steps, "--training.activation_checkpoint", mode)
+        assert [r["loss"] for r in ac] == [r["loss"] for r in plain], mode
+    comp = run(1, tmp_path / "compile", *steps, "--training.compile", "true")  # fullgraph: a graph break fails
     for a, b in zip(comp, plain):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
     f8 = run(1, tmp_path / "f8", *steps, "--training.float8", "true")  # emulated on CPU
     for a, b in zip(f8, plain):
         assert abs(a["loss"] - b["loss"]) <= 0.02 * abs(b["loss"]) and a["loss"] != b["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_float8_recipes_track_fp32_over_20_steps(tmp_path, recipe):
+    steps = ["--training.steps", "20", "--optimizer.lr", "3e-3"]
+    plain = run(1, tmp_path / "plain", *steps)
+    # a tensor-wise scale couples the documents of a packed row: the isolation check (rightly) fails with it
+    extra = ["--training.skip_startup_checks", "true"] if recipe == "tensorwise" else []
+    f8 = run(1, tmp_path / recipe, *steps, "--training.float8", "true", "--training.float8_recipe", recipe, *extra)
+    for a, b in zip(f8, plain):
+        assert abs(a["loss"] - b["loss"]) <= 0.03 * abs(b["loss"]), (a, b)
+    assert f8[-1]["loss"] < 0.7 * f8[0]["loss"]  # it learns

@@ -49,7 +49,9 @@ class Model:
     hf_assets_path: str = doc("", "HF directory for config, tokenizer and (with init_from_hf) weights")
     init_from_hf: bool = doc(False, "start from the weights and config.json in hf_assets_path")
     tokenizer_path: str = doc("", "tokenizer directory; empty means hf_assets_path (then the dataset's)")
-    attention: Literal["sdpa", "flex", "flash_varlen"] = doc("sdpa", "attention backend")
+    attention: Literal["sdpa", "flex", "varlen", "flash_varlen"] = doc(
+        "sdpa", "attention backend: sdpa (everywhere), flex, varlen (torch's varlen kernels, GPU), flash_varlen "
+                "(flash-attn, GPU)")
     reset_positions_per_document: bool = doc(False, "RoPE positions restart at 0 in every packed document")
     converters: list[str] = doc([], "extra model converters by registered name, applied in order before "
                                     "sharding (float8 is switched by training.float8)")
@@ -81,10 +83,16 @@ class Training:
     param_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "dtype of forward/backward compute")
     reduce_dtype: Literal["float32", "bfloat16"] = doc("float32", "dtype of gradient reduction across ranks")
     loss_chunk_size: int = doc(4096, "tokens per chunk of the output head + cross-entropy")
-    activation_checkpoint: Literal["none", "full", "selective"] = doc(
-        "none", "recompute activations in backward: every block (full) or every other block (selective)")
-    compile: bool = doc(False, "torch.compile each transformer block")
-    float8: bool = doc(False, "float8 matmuls in the blocks (torchao, row-wise scales; SM >= 8.9, else bf16)")
+    activation_checkpoint: Literal["none", "full", "selective", "every_n"] = doc(
+        "none", "recompute in backward: whole blocks (full), all but matmul/attention outputs (selective, per op), "
+                "or whole blocks, every ac_every_n-th one (every_n)")
+    ac_every_n: int = doc(2, "with activation_checkpoint = every_n: checkpoint blocks 0, n, 2n, ...")
+    compile: bool = doc(False, "torch.compile each transformer block (fullgraph: a graph break is an error)")
+    compile_loss: bool = doc(False, "also torch.compile the per-chunk loss computation")
+    float8: bool = doc(False, "float8 matmuls in the blocks (torchao; SM >= 8.9, else bf16; emulated on CPU)")
+    float8_recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = doc(
+        "rowwise", "torchao float8 scaling: rowwise (default: keeps documents isolated), tensorwise (fastest; "
+                   "with float8 FSDP all-gather on GPU), rowwise_with_gw_hp (weight gradients in high precision)")
     skip_startup_checks: bool = doc(False, "skip the document-isolation start-up check (the loss-denominator "
                                            "check of the first step always runs)")
     deterministic: bool = doc(False, "torch.use_deterministic_algorithms(True)")
@@ -355,6 +363,7 @@ def validate(cfg: JobConfig) -> None:
     )
     need(t.max_grad_norm >= 0, "training.max_grad_norm", ">= 0 (0 disables clipping)", t.max_grad_norm)
     need(t.loss_chunk_size >= 1, "training.loss_chunk_size", ">= 1", t.loss_chunk_size)
+    need(t.ac_every_n >= 1, "training.ac_every_n", ">= 1", t.ac_every_n)
     need(o.lr >= 0, "optimizer.lr", ">= 0", o.lr)
     need(0 <= o.beta1 < 1, "optimizer.beta1", "0 <= beta1 < 1", o.beta1)
     need(0 <= o.beta2 < 1, "optimizer.beta2", "0 <= beta2 < 1", o.beta2)

@@ -39,30 +39,46 @@ def _import_torchao_float8():
     return Float8LinearConfig, convert_to_float8_training
 
 
-def apply_float8(model: nn.Module, emulate: bool = False) -> None:
-    """torchao float8 training for every block linear (dims divisible by 16); the output head stays bf16.
+def float8_module_filter(mod: nn.Module, fqn: str) -> bool:
+    """Which linears become float8: those of the transformer blocks whose dims are multiples of 16 (the float8
+    matmul's tile); the output head stays in bf16 (its logits feed the loss directly)."""
+    return (isinstance(mod, nn.Linear) and fqn.startswith("layers.") and mod.in_features % 16 == 0
+            and mod.out_features % 16 == 0)
 
-    Row-wise scaling (one scale per token row of the activations, per output column of the weights): a
-    tensor-wise scale would let one document's activations change another's quantisation, breaking the
-    recipe's document isolation. ``emulate`` runs the float8 casts with bf16/fp32 matmuls (CPU tests).
+
+def apply_float8(model: nn.Module, recipe: str = "rowwise", emulate: bool = False,
+                 fsdp_float8_all_gather: bool = False) -> list[str]:
+    """torchao float8 training for the block linears; returns the converted module names.
+
+    Row-wise scaling (one scale per token row of the activations) is the default: with a tensor-wise scale one
+    document's activations change the quantisation of every other document in the packed row, so the recipe's
+    document isolation no longer holds bit for bit. Tensor-wise is faster and can all-gather FSDP shards in
+    float8. ``emulate`` runs the float8 casts with high-precision matmuls (CPU tests).
     """
     Float8LinearConfig, convert_to_float8_training = _import_torchao_float8()
-
-    def keep(mod: nn.Module, fqn: str) -> bool:
-        return isinstance(mod, nn.Linear) and fqn.startswith("layers.") and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
-
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
-    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    if fsdp_float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=float8_module_filter)
+    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
 
 
 def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
     """Hardware-gated float8: below SM 8.9 the run continues in bf16 (and says so); on CPU it is emulated,
-    which only serves testing."""
+    which only serves testing. Tensor-wise on GPU all-gathers FSDP shards in float8, with the scales of all
+    weights computed in one pass after each optimizer step."""
     if device.type == "cuda" and not float8_supported(device):
         logger.warning(f"[parallelize] float8 needs compute capability >= 8.9, {torch.cuda.get_device_name(device)} "
                        f"has {torch.cuda.get_device_capability(device)}: training in bf16 instead")
         return
-    apply_float8(model, emulate=device.type != "cuda")
+    recipe = cfg.training.float8_recipe
+    all_gather = recipe == "tensorwise" and device.type == "cuda"  # gloo cannot all-gather float8 tensors
+    apply_float8(model, recipe, emulate=device.type != "cuda", fsdp_float8_all_gather=all_gather)
+    if all_gather:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
 register_converter("float8", float8_converter)

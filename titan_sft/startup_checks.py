@@ -11,7 +11,7 @@ class StartupCheckError(RuntimeError):
 
 @torch.no_grad()
 def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch.device, backend: str,
-                             causal: bool = True) -> None:
+                             causal: bool = True, hint: str = "") -> None:
     """Recipe item 7: the tokens of one document must not change another's hidden states (bit for bit).
 
     A row of two documents is run twice, with the first document changed; the second document's hidden states
@@ -35,7 +35,7 @@ def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch
         if not torch.equal(base[:, kept], out[:, kept]):
             raise StartupCheckError(
                 f"document isolation check failed for attention backend '{backend}': {kept_name}'s hidden states "
-                f"changed when {changed_name} changed (use --training.skip_startup_checks true to bypass)"
+                f"changed when {changed_name} changed{hint} (use --training.skip_startup_checks true to bypass)"
             )
 
 

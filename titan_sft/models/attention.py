@@ -11,7 +11,10 @@ Backends:
         spanning rows, whose cost would grow with the square of the whole microbatch). Runs everywhere; it is
         the reference for tests and CPU runs.
     flex: FlexAttention with a per-row document ``BlockMask``; sparse, so cost grows with the documents' lengths.
-    flash_varlen: ``flash_attn_varlen_func`` with ``cu_seqlens`` over the flattened rows (GPU, flash-attn).
+        Compiled on GPU (uncompiled FlexAttention is a slow reference implementation).
+    varlen: torch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped with torch, GQA)
+        with ``cu_seqlens`` over the flattened rows (GPU).
+    flash_varlen: ``flash_attn_varlen_func`` from the flash-attn package, same metadata (GPU, flash-attn).
 
 The mask (or block mask) is built once per forward by :meth:`Attention.prepare` and shared by all layers.
 """
@@ -25,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "flex", "flash_varlen")
+BACKENDS = ("sdpa", "flex", "varlen", "flash_varlen")
+CPU_BACKENDS = ("sdpa", "flex")  # flex: forward only (no CPU backward), for evaluation and tests
 
 
 class BackendUnavailable(RuntimeError):
@@ -42,11 +46,15 @@ def check_backend(name: str, device: torch.device | str) -> None:
             from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         except ImportError as e:  # pragma: no cover - torch too old
             raise BackendUnavailable(f"model.attention 'flex' needs torch with FlexAttention: {e}") from None
+    if name in ("varlen", "flash_varlen") and device.type != "cuda":
+        raise BackendUnavailable(f"model.attention '{name}' needs a CUDA device; on {device.type} use one of: "
+                                 f"{', '.join(CPU_BACKENDS)}")
+    if name == "varlen":
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError as e:  # pragma: no cover - torch too old
+            raise BackendUnavailable(f"model.attention 'varlen' needs torch with torch.nn.attention.varlen: {e}") from None
     if name == "flash_varlen":
-        if device.type != "cuda":
-            raise BackendUnavailable(
-                "model.attention 'flash_varlen' needs a CUDA device; use 'sdpa' (or 'flex') on " + device.type
-            )
         if importlib.util.find_spec("flash_attn") is None:
             raise BackendUnavailable(
                 "model.attention 'flash_varlen' needs flash-attn (pip install 'titan_sft[gpu]'); or use 'sdpa'/'flex'"
@@ -135,12 +143,21 @@ class AttentionBackend:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, enable_gqa=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=True)
         if self.backend == "flex":
-            from torch.nn.attention.flex_attention import flex_attention
+            return _flex_attention(q.is_cuda)(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+        b, h, t, d = q.shape
+        if self.backend == "varlen":
+            from torch.nn.attention.varlen import varlen_attn
 
-            return flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+            out = varlen_attn(
+                q.transpose(1, 2).reshape(b * t, h, d),
+                k.transpose(1, 2).reshape(b * t, k.shape[1], d),
+                v.transpose(1, 2).reshape(b * t, v.shape[1], d),
+                mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
+                window_size=(-1, 0) if mask.causal else (-1, -1), enable_gqa=True,
+            )
+            return out.reshape(b, t, h, d).transpose(1, 2)
         from flash_attn import flash_attn_varlen_func
 
-        b, h, t, d = q.shape
         out = flash_attn_varlen_func(
             q.transpose(1, 2).reshape(b * t, h, d),
             k.transpose(1, 2).reshape(b * t, k.shape[1], d),
@@ -152,3 +169,18 @@ class AttentionBackend:
             causal=mask.causal,
         )
         return out.reshape(b, t, h, d).transpose(1, 2)
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_attention(cuda: bool):
+    """FlexAttention, compiled once on GPU (its eager form materialises scores and is only a reference)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not cuda:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX

@@ -16,19 +16,63 @@ from titan_sft.parallel.tensor_parallel import TPPlan, apply_tp
 from titan_sft.registry import get_converter
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """'full': recompute each block in backward; 'selective': every other block."""
+def _save_ops() -> set:
+    """Ops whose outputs selective AC keeps: matmuls, attention kernels (every variant that exists in this
+    torch build), reductions feeding float8 scales, and reduce-scatters (recomputing them would communicate)."""
+    names = ["aten.mm.default", "aten.linear.default", "aten.addmm.default", "aten.bmm.default",
+             "aten._scaled_dot_product_flash_attention.default",
+             "aten._scaled_dot_product_efficient_attention.default",
+             "aten._scaled_dot_product_cudnn_attention.default",
+             "aten._scaled_dot_product_attention_math.default",
+             "aten._scaled_dot_product_flash_attention_for_cpu.default",
+             "aten._scaled_mm.default", "aten.max.default",
+             "_c10d_functional.reduce_scatter_tensor.default"]
+    ops = set()
+    for name in names:
+        obj = torch.ops
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None:
+            ops.add(obj)
+    ops.add(torch._higher_order_ops.flex_attention)
+    return ops
+
+
+def selective_checkpoint_context():
+    """torchtitan's op-level policy: keep the outputs of matmuls and attention (expensive to redo), recompute the
+    rest in backward (norms, RoPE, activations, casts: cheap, and most of the activation memory)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = _save_ops()
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2) -> None:
+    """'full': recompute every block in backward; 'every_n': every n-th block (0, n, 2n, ...); 'selective':
+    every block, recomputing all but the ops of :func:`_save_ops`."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for i, (name, block) in enumerate(list(model.layers.named_children())):
-        if mode == "full" or (mode == "selective" and i % 2 == 0):
-            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+        if mode == "selective":
+            wrapped = checkpoint_wrapper(block, context_fn=selective_checkpoint_context, preserve_rng_state=False)
+        elif mode == "full" or (mode == "every_n" and i % every_n == 0):
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        model.layers.register_module(name, wrapped)
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compiles each block separately: identical blocks share one compiled graph, and compile time stays short."""
+    """Compiles each block separately (identical blocks share one compiled graph, and compile time stays short),
+    with ``fullgraph=True``: a graph break is a bug to fix, not a silent slowdown."""
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=False))
+        model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
@@ -66,7 +110,7 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     for name in (["float8"] if t.float8 else []) + list(cfg.model.converters):
         get_converter(name)(model, cfg, device)
     if t.activation_checkpoint != "none":
-        apply_activation_checkpointing(model, t.activation_checkpoint)
+        apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n)
     if t.compile:
         apply_compile(model)
     apply_fsdp(model, mesh["dp_replicate", "dp_shard"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype])

@@ -1,0 +1,86 @@
+"""Kernel and memory features whose logic runs on CPU: attention backend selection and varlen metadata, the
+op-level selective activation checkpointing policy, and which layers float8 converts."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_sft.models import build_model
+from titan_sft.models.attention import AttentionBackend, BackendUnavailable, check_backend
+from titan_sft.registry import get_train_spec
+
+DEBUG = get_train_spec("qwen3").flavors["debug"]
+
+
+@pytest.mark.parametrize("name", ["varlen", "flash_varlen"])
+def test_gpu_backends_fail_on_cpu_naming_the_cpu_ones(name):
+    with pytest.raises(BackendUnavailable, match=f"'{name}' needs a CUDA device; on cpu use one of: sdpa, flex"):
+        check_backend(name, "cpu")
+    with pytest.raises(BackendUnavailable, match="allowed: sdpa, flex, varlen, flash_varlen"):
+        check_backend("paged", "cpu")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_metadata_and_flex_masks_against_sdpa(causal):
+    """The varlen kernels get the flattened rows' cu_seqlens and longest document; flex's per-row block mask
+    gives sdpa's output in both attention modes (the GPU kernels read the same metadata)."""
+    cu = torch.tensor([0, 10, 24, 30, 48], dtype=torch.int32)  # 2 rows of 24: docs 10+14 | 6+18
+    meta = AttentionBackend("varlen", causal=causal).prepare(2, 24, torch.device("cpu"), cu)
+    assert meta.cu_seqlens.tolist() == [0, 10, 24, 30, 48] and meta.max_seqlen == 18 and meta.causal is causal
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    outs = {}
+    for name in ("sdpa", "flex"):
+        backend = AttentionBackend(name, causal=causal)
+        outs[name] = backend(q, k, v, backend.prepare(2, 24, torch.device("cpu"), cu))
+    assert torch.allclose(outs["sdpa"], outs["flex"], atol=1e-5)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode):
+    from titan_sft.parallel.parallelize import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = build_model(DEBUG, device="cpu")
+    model.init_weights()
+    if mode != "none":
+        apply_activation_checkpointing(model, mode, every_n=2)
+    h = model(torch.randint(0, 500, (1, 32)), hidden_only=True)
+    with CountOps() as ops:
+        h.pow(2).mean().backward()
+    return ops.counts
+
+
+def test_selective_ac_recomputes_everything_but_matmuls_and_attention():
+    none, full, selective = _backward_ops("none"), _backward_ops("full"), _backward_ops("selective")
+    assert full["mm"] > none["mm"]  # full AC runs each block's forward matmuls again
+    assert selective["mm"] == none["mm"]  # selective keeps them
+    attention = [k for k in full if "scaled_dot_product" in k and "backward" not in k]
+    assert attention and all(selective.get(k, 0) == none.get(k, 0) for k in attention)
+    assert selective.get("rsqrt", 0) > none.get("rsqrt", 0)  # the norms are recomputed
+    every_2 = _backward_ops("every_n")
+    assert none["mm"] < every_2["mm"] < full["mm"]  # blocks 0 and 2 of 4
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise", "rowwise_with_gw_hp"])
+def test_float8_converts_block_linears_with_dims_of_16_only(recipe):
+    from titan_sft.converters import apply_float8
+
+    args = dataclasses.replace(DEBUG, n_layers=2, ffn_dim=200, tie_embeddings=False)  # 200: not a multiple of 16
+    with torch.device("meta"):
+        model = build_model(args)
+    converted = apply_float8(model, recipe, emulate=True)
+    assert converted == [f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")]
+    assert type(model.output).__name__ == "Linear" and type(model.layers["0"].feed_forward.w1).__name__ == "Linear"
