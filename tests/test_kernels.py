@@ -84,3 +84,38 @@ def test_float8_converts_block_linears_with_dims_of_16_only(recipe):
     converted = apply_float8(model, recipe, emulate=True)
     assert converted == [f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")]
     assert type(model.output).__name__ == "Linear" and type(model.layers["0"].feed_forward.w1).__name__ == "Linear"
+
+
+def test_transformer_engine_gate_outcomes(monkeypatch, caplog):
+    """Capability and library presence mocked: bf16 with one notice, a stop with the install command, or TE."""
+    import importlib.util
+    import logging
+
+    from titan_sft import converters
+    from titan_sft.config import ConfigError, load_config
+
+    cfg = load_config(None, ["--training.float8", "true", "--training.float8_backend", "te"])
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "FakeGPU")
+    has_te = {"value": False}
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: object() if n == "transformer_engine" and has_te["value"] else
+                        (None if n == "transformer_engine" else real_find_spec(n, *a)))
+    applied = []
+    monkeypatch.setattr(converters, "apply_te_float8", lambda model: applied.append(model))
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))  # A100: not capable
+    with caplog.at_level(logging.WARNING, logger="titan_sft"):
+        converters.float8_converter("model", cfg, gpu)
+    assert "needs compute capability 8.9 or 9.0+; FakeGPU (compute capability (8, 0))" in caplog.text
+    assert "training in bf16 instead" in caplog.text and not applied
+    assert converters.te_gate(torch.device("cpu")) == "incapable"
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))  # H100 without TE
+    with pytest.raises(ConfigError, match=r"needs Transformer Engine on this FakeGPU: pip install 'transformer-engine\[pytorch\]'"):
+        converters.float8_converter("model", cfg, gpu)
+
+    has_te["value"] = True  # H100 with TE
+    converters.float8_converter("model", cfg, gpu)
+    assert applied == ["model"]

@@ -90,6 +90,9 @@ class Training:
     compile: bool = doc(False, "torch.compile each transformer block (fullgraph: a graph break is an error)")
     compile_loss: bool = doc(False, "also torch.compile the per-chunk loss computation")
     float8: bool = doc(False, "float8 matmuls in the blocks (torchao; SM >= 8.9, else bf16; emulated on CPU)")
+    float8_backend: Literal["torchao", "te"] = doc(
+        "torchao", "float8 implementation: torchao, or Transformer Engine linears (te; SM 8.9 / 9.0+, pip install "
+                   "transformer-engine[pytorch])")
     float8_recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = doc(
         "rowwise", "torchao float8 scaling: rowwise (default: keeps documents isolated), tensorwise (fastest; "
                    "with float8 FSDP all-gather on GPU), rowwise_with_gw_hp (weight gradients in high precision)")

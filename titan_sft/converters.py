@@ -63,10 +63,73 @@ def apply_float8(model: nn.Module, recipe: str = "rowwise", emulate: bool = Fals
     return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
 
 
+TE_INSTALL = "pip install 'transformer-engine[pytorch]'  (or: pip install 'titan_sft[gpu]')"
+BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                 "feed_forward.w2", "feed_forward.w3")
+
+
+def te_gate(device: torch.device) -> str:
+    """Whether Transformer Engine float8 can run: "ok", "incapable" (CPU or below SM 8.9: bf16 instead), or
+    "missing" (a capable GPU without the library: the run stops and says what to install)."""
+    import importlib.util
+
+    if device.type != "cuda" or not float8_supported(device):
+        return "incapable"
+    return "ok" if importlib.util.find_spec("transformer_engine") is not None else "missing"
+
+
+def apply_te_float8(model: nn.Module) -> list[str]:
+    """Swaps the block projections for Transformer Engine linears (same parameter names, so checkpoints and HF
+    export are unchanged) and runs each block under ``te.fp8_autocast`` (delayed scaling, HYBRID format: E4M3
+    forward, E5M2 gradients). The embedding and the output head stay in bf16."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    converted = []
+    for name, block in model.layers.named_children():
+        for fqn in BLOCK_LINEARS:
+            parent_name, attr = fqn.rsplit(".", 1)
+            parent = block.get_submodule(parent_name)
+            old = getattr(parent, attr)
+            if old.in_features % 16 or old.out_features % 16:
+                continue
+            setattr(parent, attr, te.Linear(old.in_features, old.out_features, bias=False,
+                                             params_dtype=old.weight.dtype, device=old.weight.device))
+            converted.append(f"layers.{name}.{fqn}")
+        contexts = {}
+
+        def enter(mod, args, _contexts=contexts):
+            _contexts[id(mod)] = ctx = te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+            ctx.__enter__()
+
+        def leave(mod, args, output, _contexts=contexts):
+            _contexts.pop(id(mod)).__exit__(None, None, None)
+
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+    return converted
+
+
 def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
     """Hardware-gated float8: below SM 8.9 the run continues in bf16 (and says so); on CPU it is emulated,
     which only serves testing. Tensor-wise on GPU all-gathers FSDP shards in float8, with the scales of all
-    weights computed in one pass after each optimizer step."""
+    weights computed in one pass after each optimizer step. ``float8_backend = "te"`` uses Transformer Engine."""
+    if cfg.training.float8_backend == "te":
+        gate = te_gate(device)
+        if gate == "missing":
+            from titan_sft.config import ConfigError
+
+            raise ConfigError(f"config key 'training.float8_backend': 'te' needs Transformer Engine on this "
+                              f"{torch.cuda.get_device_name(device)}: {TE_INSTALL}; or float8_backend = 'torchao'")
+        if gate == "incapable":
+            where = (f"{torch.cuda.get_device_name(device)} (compute capability "
+                     f"{torch.cuda.get_device_capability(device)})" if device.type == "cuda" else device.type)
+            logger.warning(f"[parallelize] Transformer Engine float8 needs compute capability 8.9 or 9.0+; {where} "
+                           "has not: training in bf16 instead")
+            return
+        apply_te_float8(model)
+        return
     if device.type == "cuda" and not float8_supported(device):
         logger.warning(f"[parallelize] float8 needs compute capability >= 8.9, {torch.cuda.get_device_name(device)} "
                        f"has {torch.cuda.get_device_capability(device)}: training in bf16 instead")
