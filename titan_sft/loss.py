@@ -15,7 +15,37 @@ import torch.nn.functional as F
 from titan_sft.constants import IGNORE_INDEX
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+def _accumulate_chunk_grads(g, weight, hc, grad_h, grad_w, start: int, chunk_size: int) -> None:
+    """Gradients of one chunk from d(loss)/d(logits) ``g`` (fp32, in the logits buffer): hidden states into their
+    rows of ``grad_h``, the head into the fp32 accumulator ``grad_w``."""
+    g = g.to(hc.dtype)  # the unchunked autograd graph casts here too (logits were .float()-ed)
+    if grad_h is not None:
+        torch.mm(g, weight, out=grad_h[start : start + chunk_size])
+    if grad_w is not None:
+        if g.dtype == torch.float32:
+            grad_w.addmm_(g.t(), hc)
+        else:
+            grad_w += (g.t() @ hc).float()
+
+
+class _ChunkedLossBase(torch.autograd.Function):
+    """The gradients are computed in forward (while each chunk's logits exist); backward only scales them."""
+
+    @staticmethod
+    def save_grads(ctx, hidden, weight, grad_h, grad_w) -> None:
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
+                              grad_w.to(weight.dtype) if grad_w is not None else torch.empty(0))
+        ctx.shape = hidden.shape
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * grad_out.to(grad_h.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+        return (gh, gw) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+class _ChunkedLinearCrossEntropy(_ChunkedLossBase):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, chunk_size: int):
         h = hidden.reshape(-1, hidden.shape[-1])
@@ -39,26 +69,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = logits.sub_(lse[:, None]).exp_()
             g[valid, yc[valid]] -= 1.0
             g.mul_(wc[:, None])
-            g = g.to(hc.dtype)  # the unchunked autograd graph casts here too (logits were .float()-ed)
-            if need_h:
-                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
-            if need_w:
-                if g.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)
-                else:
-                    grad_w += (g.t() @ hc).float()
-        ctx.save_for_backward(
-            grad_h if need_h else torch.empty(0), grad_w.to(weight.dtype) if need_w else torch.empty(0)
-        )
-        ctx.shape = hidden.shape
+            _accumulate_chunk_grads(g, weight, hc, grad_h, grad_w, start, chunk_size)
+        _ChunkedLossBase.save_grads(ctx, hidden, weight, grad_h, grad_w)
         return total
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * grad_out.to(grad_h.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None
 
 
 def chunked_cross_entropy_sum(
@@ -94,7 +107,7 @@ def naive_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
+class _VocabParallelCrossEntropy(_ChunkedLossBase):
     """The chunked loss with a vocab-sharded head (loss parallel): every tp rank holds rows ``[offset, offset +
     V_local)`` of the head and the whole (replicated) hidden states. Per chunk the rank computes its slice of the
     logits; the max, the sum of exponentials and the target logit are reduced across the tp group, so each rank
@@ -136,26 +149,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             rows = mine.nonzero().squeeze(1)
             g[rows, local_t[rows]] -= 1.0
             g.mul_(wc[:, None])
-            g = g.to(hc.dtype)
-            if need_h:
-                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
-            if need_w:
-                if g.dtype == torch.float32:
-                    grad_w.addmm_(g.t(), hc)
-                else:
-                    grad_w += (g.t() @ hc).float()
-        ctx.save_for_backward(
-            grad_h if need_h else torch.empty(0), grad_w.to(weight.dtype) if need_w else torch.empty(0)
-        )
-        ctx.shape = hidden.shape
+            _accumulate_chunk_grads(g, weight, hc, grad_h, grad_w, start, chunk_size)
+        _ChunkedLossBase.save_grads(ctx, hidden, weight, grad_h, grad_w)
         return total
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * grad_out.to(grad_h.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        gw = grad_w * grad_out.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy_sum(hidden, weight, labels: torch.Tensor, chunk_size: int = 4096,
