@@ -117,6 +117,10 @@ def test_activation_checkpointing_compile_and_float8_paths(tmp_path):
     f8 = run(1, tmp_path / "f8", *steps, "--training.float8", "true")  # emulated on CPU
     for a, b in zip(f8, plain):
         assert abs(a["loss"] - b["loss"]) <= 0.02 * abs(b["loss"]) and a["loss"] != b["loss"]
+    # float8 composes with tensor parallel (converted first, then sharded): TP 2 tracks the 1-rank float8 run
+    f8_tp = run(2, tmp_path / "f8_tp", *steps, "--training.float8", "true", "--parallelism.tp", "2")
+    for a, b in zip(f8_tp, f8):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
 
 
 @pytest.mark.slow

@@ -422,9 +422,6 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             whole per-rank batches of whole microbatches.
     """
     p, t = cfg.parallelism, cfg.training
-    if p.tp > 1 and t.float8:
-        raise ConfigError("config key 'training.float8': float8 with parallelism.tp > 1 is not supported yet; "
-                          "allowed: false when tp > 1")
     shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
     if p.dp_replicate * shard * p.tp != world_size:
         raise ConfigError(

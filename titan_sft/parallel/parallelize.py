@@ -105,10 +105,12 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         tp_plan: the family's tensor-parallel plan, applied when the tp dimension is larger than 1.
     """
     t = cfg.training
-    if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], tp_plan)
+    # Converters first (as torchtitan does): a converted linear (float8, LoRA) is still an nn.Linear, so the TP
+    # styles shard it; converting after TP would drop the TP hooks with the replaced module.
     for name in (["float8"] if t.float8 else []) + list(cfg.model.converters):
         get_converter(name)(model, cfg, device)
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], tp_plan)
     if t.activation_checkpoint != "none":
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n)
     if t.compile:
