@@ -1,5 +1,5 @@
 """Applies parallelism and memory/speed features to a meta-device model, in torchtitan's order:
-tensor/sequence parallel (the family's plan) -> model converters (float8, ...) -> activation checkpointing ->
+model converters (float8, ...) -> tensor/sequence parallel (the family's plan) -> activation checkpointing ->
 per-block torch.compile -> FSDP2 fully_shard over the data-parallel ranks (HSDP when dp_replicate > 1).
 """
 
