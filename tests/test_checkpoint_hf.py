@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from titan_sft.checkpoint import find_checkpoints
 from titan_sft.convert import from_hf, to_hf
 from titan_sft.hf_io import export_hf, hf_safetensors_files, read_hf_config
-from titan_sft.models import build_model, load_hf
+from titan_sft.models import build_model
 from titan_sft.models.hf_adapter import args_from_hf_config
 from titan_sft.models.qwen3 import QWEN3_FLAVORS
 from titan_sft.registry import get_train_spec

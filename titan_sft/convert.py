@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
