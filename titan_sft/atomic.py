@@ -44,3 +44,11 @@ def finalize(tmp: Path, final: Path) -> None:
         else:
             tmp.rename(final)
     barrier()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a ``*.partial`` sibling and a rename: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -70,6 +70,20 @@ def find_checkpoints(dump_folder: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda x: (x[0], x[1].name != "checkpoints-temp"), reverse=True)
 
 
+def run_folder(dump_folder: str, resume: str) -> str:
+    """The run's output folder: ``dump_folder``, unless it holds an earlier run (a metrics.jsonl) that this run
+    does not resume (``resume`` none, or auto without a complete checkpoint there); then the first free
+    ``<dump_folder>-<n>``, so an earlier run is never overwritten."""
+    root = Path(dump_folder)
+    if not (root / "metrics.jsonl").exists() or (resume == "auto" and find_checkpoints(root)) or resume not in (
+            "auto", "none"):
+        return dump_folder
+    n = 1
+    while Path(f"{dump_folder}-{n}").exists():
+        n += 1
+    return f"{dump_folder}-{n}"
+
+
 class CheckpointManager:
     """Saves and restores everything a run needs to continue exactly (model, optimizer, LR schedule, sampler),
     and decides when the run exports HF weights.
@@ -84,6 +98,7 @@ class CheckpointManager:
         self.model, self.optimizer, self.lr_scheduler, self.sampler = model, optimizer, lr_scheduler, sampler
         self.run_config = job_cfg.to_dict()
         self.exporter = exporter
+        self.best_only = job_cfg.validation.best_only  # regular saves off: only the best (and temp) checkpoints
         self.last_export: Path | None = None
         self.last_temp_time = time.monotonic()
         self._pending = None  # (future or None, tmp dir, final dir, meta, start time) of a save not yet renamed
@@ -201,7 +216,7 @@ class CheckpointManager:
         if not self.cfg.enable:
             return
         self.poll()
-        if hook_fires(completed_steps, total_steps, self.cfg.interval):
+        if not self.best_only and hook_fires(completed_steps, total_steps, self.cfg.interval):
             self.save(completed_steps)
             return
         minutes = self.cfg.temp_interval_minutes
@@ -218,10 +233,7 @@ class CheckpointManager:
         if meta is None:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
         if meta.get("kind") == "weights_only":  # written by `convert from-hf`: a starting point, step 0
-            state = {"model": get_model_state_dict(self.model)}
-            with transient_group() as pg:
-                dcp.load(state, checkpoint_id=str(path), process_group=pg)
-            set_model_state_dict(self.model, state["model"])
+            self.load_weights(path)
             return 0
         state = self._state()
         with transient_group() as pg:  # see save()
@@ -231,6 +243,18 @@ class CheckpointManager:
         self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         self.sampler.load_state_dict(meta["sampler"])
         torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        return int(meta["step"])
+
+    def load_weights(self, path: Path) -> int:
+        """Restores only the model weights of ``path`` (e.g. the best checkpoint, for a final test evaluation);
+        returns its completed step count."""
+        meta = read_meta(path)
+        if meta is None:
+            raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
+        state = {"model": get_model_state_dict(self.model)}
+        with transient_group() as pg:
+            dcp.load(state, checkpoint_id=str(path), process_group=pg)
+        set_model_state_dict(self.model, state["model"])
         return int(meta["step"])
 
     def resume(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):
@@ -59,7 +63,20 @@ class Model:
 
 @dataclass
 class Objective:
-    name: str = doc("causal_lm", "training objective: causal_lm (the recipe) or a registered one")
+    name: str = doc("causal_lm", "training objective: causal_lm (the recipe), masked_diffusion, or a registered one")
+    # masked_diffusion (shared/spec/masked_diffusion.md)
+    mask_token_id: int = doc(-1, "masked_diffusion: id of the mask token; -1: the first embedding row past the "
+                                 "tokenizer (Qwen3: 151669), else its last reserved special token (Llama 3)")
+    t_min: float = doc(0.1, "masked_diffusion: noise level t ~ Uniform(t_min, 1) per example (LLaDA: 1e-3)")
+    normalization: Literal["per_example", "per_token"] = doc(
+        "per_example", "masked_diffusion: 1/t-weighted CE summed per example over its answer length, mean over "
+                       "examples (LLaDA), or summed over the batch / all supervised positions")
+    shift: bool = doc(False, "masked_diffusion: position i predicts token i+1 (Dream); false predicts token i "
+                             "(LLaDA)")
+    split_loss: bool = doc(False, "masked_diffusion: answer and EOS-padding losses normalised separately and "
+                                  "mixed by answer_weight / padding_weight (needs an --eos-pad dataset)")
+    answer_weight: float = doc(0.9, "masked_diffusion with split_loss: weight of the answer part")
+    padding_weight: float = doc(0.1, "masked_diffusion with split_loss: weight of the padding part")
 
 
 @dataclass
@@ -104,8 +121,11 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["adamw"] = doc("adamw", "optimizer")
-    lr: float = doc(2e-5, "peak learning rate")
+    name: Literal["adamw", "adamw8bit"] = doc("adamw", "optimizer: adamw, or adamw8bit (bitsandbytes 8-bit states)")
+    lr: float = doc(2e-5, "peak learning rate (before lr_scaling)")
+    lr_scaling: Literal["none", "sqrt", "linear"] = doc(
+        "none", "scale lr by (global_batch_size / reference_batch), square root or linear")
+    reference_batch: int = doc(8, "batch the lr was tuned for (lr_scaling)")
     beta1: float = doc(0.9, "AdamW beta1")
     beta2: float = doc(0.999, "AdamW beta2")
     eps: float = doc(1e-8, "AdamW epsilon")
@@ -160,6 +180,33 @@ class Validation:
     holdout_seed: int = doc(0, "seed of that split")
     interval: int = doc(0, "held-out loss every this many steps (and after the last); 0: only after the last")
     keep_best: bool = doc(False, "keep the checkpoint with the lowest held-out loss in checkpoints-best/")
+    best_only: bool = doc(False, "with keep_best: no regular checkpoints, only the best one (and the temporary "
+                                 "one that preemption needs)")
+    test_path: str = doc("", "masked_diffusion: packed test split, evaluated once after the last step with the "
+                             "best checkpoint's weights (the final ones without keep_best)")
+    noise_seed: int = doc(1234, "masked_diffusion: seed of the validation noise (t and masks follow from it and "
+                                "the example index, so the loss is comparable across steps and runs)")
+    generation_every: int = doc(0, "masked_diffusion: generation validation on generation_eval_path every this "
+                                   "many validation rounds (and after the last step); 0 disables")
+    gen_length: int = doc(32, "masked_diffusion sampler: answer tokens generated (a multiple of block_length)")
+    gen_steps: int = doc(32, "masked_diffusion sampler: denoising steps in all (a multiple of the blocks)")
+    block_length: int = doc(32, "masked_diffusion sampler: tokens per semi-autoregressive block")
+    temperature: float = doc(0.0, "masked_diffusion sampler: Gumbel temperature (0 = argmax)")
+    remasking: Literal["low_confidence", "random"] = doc("low_confidence", "masked_diffusion sampler: confidence "
+                                                                           "used to pick the tokens revealed")
+    cfg_scale: float = doc(0.0, "masked_diffusion sampler: classifier-free guidance scale (0 disables)")
+    no_early_eos: bool = doc(False, "masked_diffusion sampler: forbid end-of-text/turn before the last block "
+                                    "(their logits set to -inf before sampling)")
+
+
+@dataclass
+class Lora:
+    rank: int = doc(16, "LoRA rank r (model.converters = [\"lora\"] switches LoRA on)")
+    alpha: float = doc(32.0, "LoRA alpha; the update is scaled by alpha / rank")
+    dropout: float = doc(0.0, "dropout on the LoRA branch's input")
+    targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                             "projections given adapters, by HF name")
+    train_norms: bool = doc(True, "train the RMSNorm weights too (saved with the adapter)")
 
 
 @dataclass
@@ -184,6 +231,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    lora: Lora = field(default_factory=Lora)
     parallelism: Parallelism = field(default_factory=Parallelism)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -371,6 +419,20 @@ def validate(cfg: JobConfig) -> None:
     need(0 <= o.beta2 < 1, "optimizer.beta2", "0 <= beta2 < 1", o.beta2)
     need(o.eps > 0, "optimizer.eps", "> 0", o.eps)
     need(o.weight_decay >= 0, "optimizer.weight_decay", ">= 0", o.weight_decay)
+    need(o.reference_batch >= 1, "optimizer.reference_batch", ">= 1", o.reference_batch)
+    ob = cfg.objective
+    need(0 <= ob.t_min < 1, "objective.t_min", "0 <= t_min < 1", ob.t_min)
+    for key, w in (("answer_weight", ob.answer_weight), ("padding_weight", ob.padding_weight)):
+        need(math.isfinite(w) and w >= 0, f"objective.{key}", "a finite number >= 0", w)
+    need(not ob.split_loss or abs(ob.answer_weight + ob.padding_weight - 1) < 1e-9, "objective.padding_weight",
+         f"answer_weight + padding_weight = 1 (answer_weight is {ob.answer_weight})", ob.padding_weight)
+    lo = cfg.lora
+    need(lo.rank >= 1, "lora.rank", ">= 1", lo.rank)
+    need(0 <= lo.dropout < 1, "lora.dropout", "0 <= dropout < 1", lo.dropout)
+    need(bool(lo.targets) and set(lo.targets) <= set(LORA_TARGETS), "lora.targets",
+         f"a non-empty list of {', '.join(LORA_TARGETS)}", lo.targets)
+    need(not ("lora" in cfg.model.converters and t.float8), "training.float8",
+         "false with the lora converter (LoRA linears are not float8 linears)", t.float8)
     for key, v in (("warmup", s.warmup), ("decay", s.decay)):
         need(v >= 0, f"lr_scheduler.{key}", ">= 0 (<= 1: fraction of steps, > 1: whole steps)", v)
         need(v <= 1 or float(v).is_integer(), f"lr_scheduler.{key}", "a fraction <= 1 or a whole number of steps", v)
@@ -387,6 +449,13 @@ def validate(cfg: JobConfig) -> None:
     need(not (v.path and v.holdout_fraction), "validation.holdout_fraction",
          "0 when validation.path is set (one held-out set)", v.holdout_fraction)
     need(v.interval >= 0, "validation.interval", ">= 0 (0 = only after the last step)", v.interval)
+    need(not v.best_only or v.keep_best, "validation.best_only", "false unless validation.keep_best", v.best_only)
+    need(v.generation_every >= 0, "validation.generation_every", ">= 0 (0 disables)", v.generation_every)
+    need(v.block_length >= 1 and v.gen_length % v.block_length == 0, "validation.gen_length",
+         f"a positive multiple of validation.block_length ({v.block_length})", v.gen_length)
+    need(v.gen_steps % max(1, v.gen_length // v.block_length) == 0 and v.gen_steps >= v.gen_length // v.block_length,
+         "validation.gen_steps", f"a positive multiple of the blocks gen_length / block_length", v.gen_steps)
+    need(v.temperature >= 0, "validation.temperature", ">= 0", v.temperature)
     need(not v.keep_best or bool(v.path or v.holdout_fraction), "validation.keep_best",
          "false unless validation.path or validation.holdout_fraction gives a held-out set", v.keep_best)
     p = cfg.parallelism

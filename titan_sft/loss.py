@@ -80,6 +80,7 @@ def chunked_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_size: int = 4096,
     weights: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of (optionally weighted) token cross-entropies of ``hidden @ weight.T`` against ``labels``, in fp32.
 
@@ -89,6 +90,8 @@ def chunked_cross_entropy_sum(
         labels: [...] target ids; ``-100`` carries no loss.
         chunk_size: tokens per chunk; peak extra memory is ``chunk_size * vocab`` fp32 values.
         weights: optional [...] per-token fp32 weights (the loss-group normalisation: 1 / (G * N_group)).
+        rows: optional long [n]: apply the head only at these positions of the flattened ``hidden`` (masked
+            diffusion scores masked positions alone); ``labels`` and ``weights`` are then [n].
 
     Returns:
         fp32 scalar; its gradients equal those of the unchunked ``F.cross_entropy(..., reduction="sum")``.
@@ -97,7 +100,9 @@ def chunked_cross_entropy_sum(
     from torch.distributed.tensor import DTensor
 
     if isinstance(weight, DTensor):
-        return vocab_parallel_cross_entropy_sum(hidden, weight, labels, chunk_size, weights)
+        return vocab_parallel_cross_entropy_sum(hidden, weight, labels, chunk_size, weights, rows)
+    if rows is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size)
 
 
@@ -155,13 +160,14 @@ class _VocabParallelCrossEntropy(_ChunkedLossBase):
 
 
 def vocab_parallel_cross_entropy_sum(hidden, weight, labels: torch.Tensor, chunk_size: int = 4096,
-                                     weights: torch.Tensor | None = None) -> torch.Tensor:
+                                     weights: torch.Tensor | None = None,
+                                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`chunked_cross_entropy_sum` under tensor parallelism (loss parallel).
 
     Args:
         hidden: DTensor [..., dim] on the tp mesh (sequence-sharded or replicated).
         weight: DTensor [vocab, dim] sharded on the vocabulary (``Shard(0)``) on the same mesh.
-        labels, chunk_size, weights: as for :func:`chunked_cross_entropy_sum` (plain tensors, the full rows).
+        labels, chunk_size, weights, rows: as for :func:`chunked_cross_entropy_sum` (plain tensors, the full rows).
 
     Returns:
         fp32 scalar, the same on every tp rank.
@@ -171,6 +177,8 @@ def vocab_parallel_cross_entropy_sum(hidden, weight, labels: torch.Tensor, chunk
     mesh = weight.device_mesh
     # All-gather the sequence; the gradient coming back is each rank's partial sum over its vocabulary slice.
     h = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    if rows is not None:  # local indexing: its backward scatters this rank's partial gradient
+        h = h.reshape(-1, h.shape[-1]).index_select(0, rows)
     vocab, tp = weight.shape[0], mesh.size()
     offset = mesh.get_local_rank() * -(-vocab // tp)  # Shard(0) splits like torch.chunk: earlier ranks get ceil
     return _VocabParallelCrossEntropy.apply(h, weight.to_local(), labels, weights, chunk_size, offset,

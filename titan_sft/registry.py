@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 BUILTIN_FAMILIES = ("qwen3", "llama3")
-BUILTIN_OBJECTIVES = ("causal_lm",)
+BUILTIN_OBJECTIVES = ("causal_lm", "masked_diffusion")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from titan_sft.atomic import atomic_write_text
+from titan_sft.checkpoint import run_folder
 from titan_sft.config import ConfigError, JobConfig, check_tensor_parallel, check_vocab, config_help, load_config
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
 from titan_sft.log import init_logging, logger
@@ -37,6 +40,12 @@ class Trainer:
         self._install_signal_handlers()  # early: a preemption warning during start-up must not kill the rank
         self.dist = d = init_distributed(cfg)
         init_logging(d.rank)
+        folder = [run_folder(cfg.job.dump_folder, cfg.checkpoint.resume) if d.rank == 0 else None]
+        torch.distributed.broadcast_object_list(folder, src=0)  # every rank writes into the same folder
+        if folder[0] != cfg.job.dump_folder:
+            logger.info(f"[init] {cfg.job.dump_folder} holds an earlier run that this one does not resume: writing "
+                        f"to {folder[0]}")
+            cfg.job.dump_folder = folder[0]
         nodes: list = [None] * d.world  # SLURM's node name where there is one (nodes may share a host in tests)
         torch.distributed.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         self.nodes = sorted(set(nodes))
@@ -55,6 +64,7 @@ class Trainer:
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
         check_vocab(self.dataset.manifest.get("vocab_size", 0), self.args.vocab_size)
+        self.objective_record = self.objective.setup(self.args.vocab_size, self._tokenizer())
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
         with torch.device("meta"):
             model = spec.model_cls(self.args)
@@ -127,6 +137,17 @@ class Trainer:
         logger.info(f"[init] loaded {self.cfg.model.hf_assets_path}; tokenizer has {n} tokens, model vocab_size "
                     f"{self.args.vocab_size}{note}")
 
+    def _tokenizer(self):
+        """The run's tokenizer, or None when neither the config nor the dataset names one that loads."""
+        from titan_sft.data.chat import load_tokenizer
+        from titan_sft.hf_io import resolve_hf_dir
+
+        path = self.tokenizer_dir()
+        try:
+            return load_tokenizer(resolve_hf_dir(path)) if path else None
+        except (OSError, ValueError):
+            return None
+
     def tokenizer_dir(self) -> str | None:
         return self.cfg.model.tokenizer_path or self.cfg.model.hf_assets_path or self.dataset.manifest.get("tokenizer")
 
@@ -185,6 +206,8 @@ class Trainer:
             out = Path(cfg.job.dump_folder)
             out.mkdir(parents=True, exist_ok=True)
             cfg.write_resolved(out / "resolved_config.json")
+            if self.objective_record:
+                atomic_write_text(out / "objective.json", json.dumps(self.objective_record, indent=2) + "\n")
         if not cfg.training.skip_startup_checks:  # on resume too: the backend or its masks may have changed
             t = cfg.training
             hint = ("; float8 tensorwise shares one activation scale across the documents of a row, so this is "

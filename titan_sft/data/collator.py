@@ -53,7 +53,7 @@ def collate(packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], groups: list
             reset_positions: bool = False) -> Microbatch:
     """Stacks packed examples (tokens, mask, doc_lens) of one length with their loss groups into rows."""
     ids, labels, pos, grp, seg_lens = [], [], [], [], []
-    for (tokens, mask, doc_lens), g in zip(packs, groups):
+    for (tokens, mask, doc_lens, *_), g in zip(packs, groups):
         L = len(tokens)
         ids.append(tokens.astype(np.int64))
         labels.append(shifted_labels(tokens, mask))

@@ -15,7 +15,9 @@ class DatasetError(ValueError):
 
 
 class PackedDataset:
-    """``len(ds)`` packs; ``ds[i]`` -> (tokens [L] int32, assistant mask [L] 0/1, doc_lens [k] int32).
+    """``len(ds)`` packs; ``ds[i]`` -> (tokens [L] int32, assistant mask [L] 0/1, doc_lens [k] int32), plus
+    ``answer_lens`` [k] (each document's own answer length, EOS padding excluded) for prompt/answer datasets
+    (``titan_sft.data.prepare_diffusion``), whose mask marks the answers.
 
     Also reads what the reference SFT pipeline writes: a manifest without ``n_packs``/``format_version`` (taken
     from tokens.npy) and a signed 0/1 mask. ``doc_sources`` ([n_documents, 2]: input file index in
@@ -77,6 +79,10 @@ class PackedDataset:
         sources = self.path / "doc_sources.npy"
         self.doc_sources = np.load(sources, mmap_mode="r") if sources.is_file() else None
         self.doc_lens = np.asarray(arrays["doc_lens.npy"])
+        answer_lens = self.path / "answer_lens.npy"
+        self.answer_lens = np.load(answer_lens) if answer_lens.is_file() else None
+        if self.answer_lens is not None and self.answer_lens.shape != (D,):
+            raise DatasetError(f"{answer_lens}: shape {self.answer_lens.shape}, manifest implies ({D},)")
         self.pack_offsets = np.asarray(arrays["pack_offsets.npy"])
         self.assistant_counts = np.asarray(arrays["assistant_counts.npy"]).astype(np.int64)
         off = self.pack_offsets
@@ -91,9 +97,10 @@ class PackedDataset:
     def __len__(self) -> int:
         return int(self.manifest["n_packs"])
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
         lo, hi = self.pack_offsets[i], self.pack_offsets[i + 1]
-        return np.asarray(self.tokens[i]), np.asarray(self.assistant_mask[i]), self.doc_lens[lo:hi]
+        pack = np.asarray(self.tokens[i]), np.asarray(self.assistant_mask[i]), self.doc_lens[lo:hi]
+        return pack if self.answer_lens is None else (*pack, self.answer_lens[lo:hi])
 
     def describe_sources(self, packs) -> str:
         """Where the documents of ``packs`` came from: ``file:line`` per document when prepare recorded it."""

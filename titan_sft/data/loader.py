@@ -29,8 +29,10 @@ class StepBatch:
 
 
 class BatchLoader:
-    """Builds each step's microbatches: the sampler picks the packs, ``collate_fn(packs, loss_groups)`` (the
-    objective's collator) turns ``per_device_batch`` of them into one microbatch."""
+    """Builds each step's microbatches: the sampler picks the packs, ``collate_fn(packs, loss_groups, keys)`` (the
+    objective's collator) turns ``per_device_batch`` of them into one microbatch. ``keys`` name each example's
+    draw, ``step * global_batch + position in the global batch``: the same for any number of ranks and on resume,
+    so an objective that draws noise per example (masked diffusion) seeds it from the key."""
 
     def __init__(self, dataset: PackedDataset, sampler: RecipeSampler, per_device_batch: int, loss_groups: int,
                  collate_fn: Callable = collate, pin_memory: bool = False, prefetch: int = 2):
@@ -50,8 +52,10 @@ class BatchLoader:
         local_ids = global_ids[positions]
         P = self.per_device_batch
         mbs = []
+        keys = step * self.sampler.global_batch + positions
         for k in range(0, len(local_ids), P):
-            mb = self.collate_fn([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist())
+            mb = self.collate_fn([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist(),
+                                 keys[k : k + P].tolist())
             mbs.append(mb.pin_memory() if self.pin_memory else mb)
         return StepBatch(step, global_ids, mbs)
 

@@ -2,7 +2,7 @@
 
 An objective owns everything between the data and the gradient that differs from one kind of SFT to another:
 
-* ``collate(packs, groups)``: the collator that turns packed examples into a microbatch (its fields are the
+* ``collate(packs, groups, keys)``: the collator that turns packed examples into a microbatch (its fields are the
   objective's: shifted labels for causal LM, noised tokens for masked diffusion);
 * ``causal``: the attention mode (causal, or bidirectional within each document);
 * ``begin_step(batch, dataset, first)``: per-step set-up before any forward (e.g. loss denominators all-reduced
@@ -63,7 +63,13 @@ class Objective:
         """Tells the objective which ranks hold different data (tensor-parallel ranks share theirs)."""
         self.dp_group = dp_group
 
-    def collate(self, packs: list, groups: list[int]) -> Any:
+    def setup(self, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
+        """Checks the objective's settings against the model's vocabulary and the tokenizer (None when the run has
+        none) before any step; returns what the run records in ``<dump_folder>/objective.json`` (empty: nothing)."""
+        return {}
+
+    def collate(self, packs: list, groups: list[int], keys: list[int]) -> Any:
+        """``packs`` from the dataset, their loss groups, and their draw keys (``titan_sft.data.loader``)."""
         raise NotImplementedError
 
     def begin_step(self, batch: Any, dataset: Any, first: bool) -> str | None:

@@ -47,7 +47,7 @@ class CausalLM(Objective):
         self.reset_positions = cfg.model.reset_positions_per_document
         self.counts = torch.zeros(self.n_groups, dtype=torch.float64)
 
-    def collate(self, packs: list, groups: list[int]) -> Microbatch:
+    def collate(self, packs: list, groups: list[int], keys: list[int] | None = None) -> Microbatch:
         return collate(packs, groups, self.reset_positions)
 
     def begin_step(self, batch, dataset, first: bool) -> str | None:

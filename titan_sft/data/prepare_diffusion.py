@@ -1,0 +1,325 @@
+"""``python -m titan_sft.data.prepare_diffusion``: prompt/answer examples -> packed datasets for masked diffusion.
+
+Input rows (JSON Lines, ``.jsonl.gz`` too), either
+* chat: ``{"messages": [...]}``; every assistant turn becomes one example whose prompt is the turns before it
+  (``--max-history-turns`` / ``--history-prob`` keep fewer of them, seeded per row), or
+* instruction: ``{"instruction": ..., "input": optional, "output": ...}``; the user turn is the instruction,
+  followed by a blank line and the input when there is one.
+An example whose answer is empty is skipped and counted; any other bad row follows ``--on-bad-row``.
+
+Each example is rendered with the chat template: the prompt ends with the assistant header, the answer is the
+assistant turn up to and including its end-of-turn token. Output (``--out``): ``train/``, ``validation/`` and
+``test/`` (the last two when asked for), each in the packed-dataset layout of contracts.md, where the
+"assistant mask" marks the answer (the positions diffusion may mask) and ``answer_lens.npy`` [n_documents] gives
+each example's own answer length. With ``--eos-pad`` every example fills its own pack: the answer is followed by
+end-of-turn tokens up to ``--seq-len`` and that padding is part of the answer (masked and supervised, so the
+model learns where answers stop). Without it examples are packed greedily and attention keeps them apart.
+Splits are whole input rows (turns of one conversation never straddle splits): separate files, or a seeded
+choice of ``--validation-size`` / ``--test-size`` rows. Nothing is written unless the whole job succeeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from titan_sft.data.chat import ROLES, encoder_for, load_tokenizer
+from titan_sft.data.prepare import FORMAT_VERSION, PrepareError, input_files, iter_lines, pack_greedy
+
+SPLITS = ("train", "validation", "test")
+
+
+class SkipRow(ValueError):
+    """A row that yields no example by design (an empty answer): counted, never an error."""
+
+
+def _text(value, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def examples_from_row(row, rng: np.random.Generator, max_history: int, history_prob: float) -> list[tuple[list, dict]]:
+    """(prompt messages, answer message) pairs of one input row; raises ValueError (bad row) or SkipRow."""
+    if not isinstance(row, dict):
+        raise ValueError("a row must be a JSON object")
+    if "messages" in row:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("'messages' must be a non-empty list")
+        for m in msgs:
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise ValueError(f"every message needs a role among {', '.join(ROLES)}")
+            _text(m.get("content"), "content")
+        turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
+        if not turns:
+            raise ValueError("no assistant turn")
+        out = []
+        for k in turns:
+            if not _text(msgs[k].get("content"), "content").strip():
+                continue  # counted by the caller when the row yields nothing
+            system = [m for m in msgs[:k] if m["role"] == "system"]
+            history = [m for m in msgs[:k] if m["role"] != "system"]
+            # The current user turn is always kept; earlier turns (user/assistant pairs) with history_prob.
+            last_user = max((i for i, m in enumerate(history) if m["role"] == "user"), default=None)
+            if last_user is None:
+                raise ValueError(f"assistant turn {k} has no user turn before it")
+            earlier, current = history[:last_user], history[last_user:]
+            keep = max_history < 0 or rng.random() < history_prob
+            if not keep:
+                earlier = []
+            elif max_history >= 0:
+                earlier = earlier[-2 * max_history:] if max_history else []
+            out.append((system + earlier + current, msgs[k]))
+        if not out:
+            raise SkipRow("every assistant turn is empty")
+        return out
+    if "instruction" in row:
+        instruction = _text(row.get("instruction"), "instruction")
+        extra = _text(row.get("input"), "input")
+        answer = _text(row.get("output"), "output")
+        if not instruction.strip():
+            raise ValueError("empty 'instruction'")
+        if not answer.strip():
+            raise SkipRow("empty 'output'")
+        user = instruction + (f"\n\n{extra}" if extra.strip() else "")
+        return [([{"role": "user", "content": user}], {"role": "assistant", "content": answer})]
+    raise ValueError("a row needs 'messages' or 'instruction' + 'output'")
+
+
+@dataclass
+class SplitStats:
+    rows: int = 0
+    examples: int = 0
+    skipped_empty_answer: int = 0
+    dropped_overlength: int = 0
+    truncated: int = 0
+    bad_rows: int = 0
+    first_bad: list = field(default_factory=list)
+
+
+class ExampleEncoder:
+    """Renders (prompt, answer) with the chat template: (prompt ids, answer ids ending with the end-of-turn)."""
+
+    def __init__(self, tokenizer, chat_template: str | None):
+        self.encoder, self.resolved = encoder_for(tokenizer, chat_template)
+        self.eot = tokenizer.eos_token_id
+
+    def __call__(self, prompt: list, answer: dict) -> tuple[np.ndarray, np.ndarray]:
+        ids, mask = self.encoder.encode([prompt + [answer]])[0]
+        on = np.flatnonzero(mask)
+        # The answer is the last assistant span (earlier ones belong to the prompt's history), cut after its
+        # end-of-turn token (the template's trailing newline is not part of what the model generates).
+        start = int(on[-1])
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        answer_ids = ids[start:]
+        ends = np.flatnonzero(answer_ids == self.eot)
+        if len(ends):
+            answer_ids = answer_ids[: ends[0] + 1]
+        return ids[:start], answer_ids
+
+
+def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bool, eot: int, pad_id: int) -> dict:
+    """Writes one split in the packed layout; ``docs`` are (prompt ids, answer ids)."""
+    out.mkdir(parents=True)
+    lens = np.asarray([len(p) + len(a) for p, a in docs], dtype=np.int64)
+    packs = [[i] for i in range(len(docs))] if eos_pad else pack_greedy(lens, seq_len, max_docs=64)
+    P = len(packs)
+    tokens = np.full((P, seq_len), pad_id, dtype=np.int32)
+    amask = np.zeros((P, seq_len), dtype=np.uint8)
+    doc_lens, answer_lens, doc_sources = [], [], []
+    offsets, counts = np.zeros(P + 1, dtype=np.int64), np.zeros(P, dtype=np.int64)
+    for p, members in enumerate(packs):
+        pos = 0
+        for i in members:
+            prompt, answer = docs[i]
+            n = len(prompt) + len(answer)
+            tokens[p, pos : pos + len(prompt)] = prompt
+            tokens[p, pos + len(prompt) : pos + n] = answer
+            amask[p, pos + len(prompt) : pos + n] = 1
+            if eos_pad:  # the padding belongs to the answer: masked and supervised like it
+                tokens[p, pos + n :] = eot
+                amask[p, pos + n :] = 1
+                n = seq_len
+            doc_lens.append(n)
+            answer_lens.append(len(answer))
+            doc_sources.append(sources[i])
+            pos += n
+        offsets[p + 1] = len(doc_lens)
+        counts[p] = int(amask[p, 1:pos].sum())
+    np.save(out / "tokens.npy", tokens)
+    np.save(out / "assistant_mask.npy", amask)
+    np.save(out / "doc_lens.npy", np.asarray(doc_lens, dtype=np.int32))
+    np.save(out / "answer_lens.npy", np.asarray(answer_lens, dtype=np.int32))
+    np.save(out / "doc_sources.npy", np.asarray(doc_sources, dtype=np.int64).reshape(-1, 2))
+    np.save(out / "pack_offsets.npy", offsets)
+    np.save(out / "assistant_counts.npy", counts)
+    n_tokens = int(sum(doc_lens))
+    return {"format_version": FORMAT_VERSION, "kind": "prompt_answer", "max_seq_len": seq_len, "n_packs": P,
+            "n_documents": len(doc_lens), "n_tokens": n_tokens, "n_assistant_tokens": int(amask.sum()),
+            "n_answer_tokens": int(sum(answer_lens)), "n_loss_targets": int(counts.sum()),
+            "packing": "one_per_pack" if eos_pad else "greedy", "eos_pad": eos_pad}
+
+
+def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out: str, *, eos_pad: bool = False,
+                      validation: list[str] | None = None, test: list[str] | None = None, validation_size: int = 0,
+                      test_size: int = 0, split_seed: int = 0, max_history_turns: int = -1, history_prob: float = 1.0,
+                      chat_template: str | None = None, overlength: str = "drop", on_bad_row: str = "error",
+                      overwrite: bool = False, log=None) -> dict:
+    """Runs the whole job; returns the top-level manifest. Raises :class:`PrepareError` with one clear message."""
+    log = log or (lambda msg: None)
+    if seq_len < 2:
+        raise PrepareError(f"--seq-len must be at least 2, got {seq_len}")
+    if not 0.0 <= history_prob <= 1.0:
+        raise PrepareError(f"--history-prob must be in [0, 1], got {history_prob}")
+    if (validation and validation_size) or (test and test_size):
+        raise PrepareError("give a split either as files (--validation/--test) or as a size, not both")
+    out_dir = Path(out)
+    if out_dir.exists() and not overwrite:
+        raise PrepareError(f"{out_dir} already exists; choose another --out or pass --overwrite")
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+        enc = ExampleEncoder(tokenizer, chat_template)
+    except (OSError, ValueError) as e:
+        raise PrepareError(f"--tokenizer {tokenizer_path}: {e}") from None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else enc.eot
+
+    # Rows of every split, in input order: (file index, line, text).
+    files = {s: input_files(p) for s, p in (("train", inputs), ("validation", validation), ("test", test)) if p}
+    all_files = [f for fs in files.values() for f in fs]
+    file_index = {str(f): i for i, f in enumerate(all_files)}
+    rows = {s: [(file_index[f], n, line) for f, n, line in iter_lines(fs)] for s, fs in files.items()}
+    carve = {"validation": validation_size, "test": test_size}
+    if validation_size or test_size:
+        train = rows["train"]
+        if validation_size + test_size >= len(train):
+            raise PrepareError(f"--validation-size {validation_size} + --test-size {test_size} leave no training "
+                               f"rows out of {len(train)}")
+        order = np.random.default_rng(split_seed).permutation(len(train))
+        taken = 0
+        for s in ("validation", "test"):
+            if carve[s]:
+                rows[s] = [train[i] for i in sorted(order[taken : taken + carve[s]].tolist())]
+                taken += carve[s]
+        held = set(order[:taken].tolist())
+        rows["train"] = [r for i, r in enumerate(train) if i not in held]
+
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    manifest = {"format_version": FORMAT_VERSION, "kind": "prompt_answer_splits", "tokenizer": str(tokenizer_path),
+                "chat_template_sha256": enc.resolved.sha256, "vocab_size": len(tokenizer), "eos_id": enc.eot,
+                "pad_id": pad_id, "max_seq_len": seq_len, "eos_pad": eos_pad, "input_files": [str(f) for f in all_files],
+                "history": {"max_turns": max_history_turns, "prob": history_prob}, "overlength": overlength,
+                "split_seed": split_seed, "splits": {}}
+    try:
+        for split, split_rows in rows.items():
+            stats = SplitStats()
+            docs, sources = [], []
+            for fidx, lineno, line in split_rows:
+                stats.rows += 1
+                where = f"{all_files[fidx]}:{lineno}"
+                try:
+                    row = json.loads(line)
+                    # A generator per row (seed, file, line): history sampling never depends on other rows.
+                    pairs = examples_from_row(row, np.random.default_rng([split_seed, fidx, lineno]),
+                                              max_history_turns, history_prob)
+                    encoded = [enc(p, a) for p, a in pairs]
+                except SkipRow:
+                    stats.skipped_empty_answer += 1
+                    continue
+                except (ValueError, json.JSONDecodeError) as e:
+                    reason = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+                    if on_bad_row == "error":
+                        raise PrepareError(f"{where}: {reason} (use --on-bad-row skip to skip bad rows)") from None
+                    stats.bad_rows += 1
+                    if len(stats.first_bad) < 20:
+                        stats.first_bad.append(f"{where}: {reason}")
+                    continue
+                empty_turns = sum(1 for m in row.get("messages", []) if isinstance(m, dict)
+                                  and m.get("role") == "assistant" and not str(m.get("content") or "").strip())
+                stats.skipped_empty_answer += empty_turns
+                for prompt, answer in encoded:
+                    if len(prompt) + len(answer) > seq_len:
+                        if overlength == "drop" or len(prompt) >= seq_len:
+                            stats.dropped_overlength += 1
+                            continue
+                        answer = answer[: seq_len - len(prompt)]
+                        stats.truncated += 1
+                    docs.append((prompt, answer))
+                    sources.append((fidx, lineno))
+                    stats.examples += 1
+            if not docs:
+                raise PrepareError(f"split '{split}': no usable examples")
+            m = _write_split(tmp / split, docs, sources, seq_len, eos_pad, enc.eot, pad_id)
+            m.update(tokenizer=str(tokenizer_path), chat_template_sha256=enc.resolved.sha256,
+                     vocab_size=len(tokenizer), eos_id=enc.eot, pad_id=pad_id, input_files=manifest["input_files"],
+                     split=split, rows=stats.rows, skipped_empty_answer=stats.skipped_empty_answer,
+                     overlength={"policy": overlength, "dropped": stats.dropped_overlength,
+                                 "truncated": stats.truncated},
+                     bad_rows={"policy": on_bad_row, "skipped": stats.bad_rows, "first": stats.first_bad})
+            (tmp / split / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+            manifest["splits"][split] = {k: m[k] for k in ("n_packs", "n_documents", "n_answer_tokens", "rows",
+                                                          "skipped_empty_answer")}
+            log(f"{split}: {stats.rows} rows -> {stats.examples} examples in {m['n_packs']} packs "
+                f"({stats.skipped_empty_answer} empty answers skipped, {stats.dropped_overlength} over-length "
+                f"dropped, {stats.truncated} truncated, {stats.bad_rows} bad rows)")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare_diffusion", description=__doc__.split("\n")[0])
+    ap.add_argument("--input", nargs="+", required=True, help="training rows: .jsonl / .jsonl.gz files or directories")
+    ap.add_argument("--tokenizer", required=True, help="local HF tokenizer directory (with a chat template)")
+    ap.add_argument("--seq-len", type=int, required=True, help="pack length (tokens)")
+    ap.add_argument("--out", required=True, help="output directory: train/, validation/, test/")
+    ap.add_argument("--eos-pad", action="store_true", help="pad each answer with end-of-turn tokens to --seq-len")
+    ap.add_argument("--validation", nargs="+", default=None, help="validation rows (files)")
+    ap.add_argument("--test", nargs="+", default=None, help="test rows (files)")
+    ap.add_argument("--validation-size", type=int, default=0, help="rows of --input held out for validation")
+    ap.add_argument("--test-size", type=int, default=0, help="rows of --input held out for test")
+    ap.add_argument("--split-seed", type=int, default=0, help="seed of the held-out choice and history sampling")
+    ap.add_argument("--max-history-turns", type=int, default=-1,
+                    help="earlier user/assistant pairs kept in a prompt (-1: all)")
+    ap.add_argument("--history-prob", type=float, default=1.0,
+                    help="with --max-history-turns: probability of keeping that history (else none)")
+    ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {% generation %} markers")
+    ap.add_argument("--overlength", choices=["drop", "truncate"], default="drop",
+                    help="an example longer than --seq-len: drop it, or cut its answer")
+    ap.add_argument("--on-bad-row", choices=["error", "skip"], default="error")
+    ap.add_argument("--overwrite", action="store_true")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        prepare_diffusion(a.input, a.tokenizer, a.seq_len, a.out, eos_pad=a.eos_pad, validation=a.validation,
+                          test=a.test, validation_size=a.validation_size, test_size=a.test_size,
+                          split_seed=a.split_seed, max_history_turns=a.max_history_turns,
+                          history_prob=a.history_prob, chat_template=a.chat_template, overlength=a.overlength,
+                          on_bad_row=a.on_bad_row, overwrite=a.overwrite,
+                          log=lambda msg: print(f"prepare_diffusion: {msg}", file=sys.stderr))
+    except PrepareError as e:
+        print(f"prepare_diffusion: error: {e}", file=sys.stderr)
+        return 2
+    print(f"prepare_diffusion: wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

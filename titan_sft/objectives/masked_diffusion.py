@@ -1,0 +1,337 @@
+"""``masked_diffusion``: LLaDA-style masked-diffusion SFT (shared/spec/masked_diffusion.md).
+
+Per example (a document of a pack: prompt, then answer; the dataset's mask marks the answer, and with EOS padding
+the padding after it):
+
+* noise level ``t ~ Uniform(t_min, 1)``; every answer (and padding) token is replaced by the mask token
+  independently with probability t; prompt tokens never are. The draws come from a generator seeded by
+  (job seed, stream, the example's key, its document index in the pack), where the key is
+  ``step * global_batch + position`` (``titan_sft.data.loader``): the same masks for any number of ranks or
+  microbatches, and on resume;
+* loss: cross-entropy at masked positions only, each weighted by 1 / t; ``per_example`` (LLaDA, default) sums an
+  example's terms, divides by its answer length (answer plus padding) and averages over the examples of the step;
+  ``per_token`` divides the step's sum by its supervised positions. ``split_loss`` normalises answer and padding
+  parts separately and mixes them with ``answer_weight`` / ``padding_weight``. The denominators (examples, or
+  supervised positions) are all-reduced over the data-parallel ranks before the step, so every layout computes
+  the 1-rank loss;
+* the output head runs only at the masked positions (``rows`` of ``titan_sft.loss``), not over the whole row;
+* unshifted by default (position i predicts token i, as LLaDA); ``shift`` predicts token i from position i - 1
+  (Dream), so a document's first token is never a target;
+* attention is bidirectional within each document (``causal = False``); packed documents stay isolated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from titan_sft.config import ConfigError, JobConfig
+from titan_sft.log import logger
+from titan_sft.loss import chunked_cross_entropy_sum
+from titan_sft.objectives import BatchError, Objective, Validator, Validators
+from titan_sft.registry import register_objective
+
+TRAIN_STREAM, VALIDATION_STREAM, TEST_STREAM = 0, 1, 2
+_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+@dataclass
+class DiffusionMicrobatch:
+    input_ids: torch.Tensor  # [P, L] long, answer tokens replaced by the mask token at masked positions
+    positions: torch.Tensor  # [P, L] long
+    cu_seqlens: torch.Tensor  # int32 over the flattened P * L tokens
+    rows: torch.Tensor  # [n] long: flat position of the hidden state that predicts each target
+    targets: torch.Tensor  # [n] long: the original tokens at the masked positions
+    weights: torch.Tensor  # [n] float64: 1/t (per_token) or 1/(t * answer length) (per_example), times split weight
+    part: torch.Tensor  # [n] long: 0 answer, 1 EOS padding
+    stats: torch.Tensor  # float64 [6]: examples, answer positions, padding positions, masked positions, sum t, 0
+    max_seqlen: int = 0
+
+    def to(self, device, non_blocking: bool = False) -> "DiffusionMicrobatch":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return DiffusionMicrobatch(move(self.input_ids), move(self.positions), move(self.cu_seqlens), move(self.rows),
+                                   move(self.targets), move(self.weights), move(self.part), self.stats,
+                                   self.max_seqlen)
+
+    def pin_memory(self) -> "DiffusionMicrobatch":
+        pin = lambda t: t.pin_memory()  # noqa: E731
+        return DiffusionMicrobatch(pin(self.input_ids), pin(self.positions), pin(self.cu_seqlens), pin(self.rows),
+                                   pin(self.targets), pin(self.weights), pin(self.part), self.stats, self.max_seqlen)
+
+    @property
+    def n_examples(self) -> int:
+        return int(self.stats[0])
+
+
+def noise_rng(seed: int, stream: int, key: int, doc: int) -> np.random.Generator:
+    """The generator of one example's noise level and masks."""
+    return np.random.default_rng([seed, stream, key, doc])
+
+
+def collate_diffusion(packs: list, keys: list[int], *, mask_id: int, t_min: float, shift: bool, split: bool,
+                      answer_weight: float, padding_weight: float, per_example: bool, seed: int,
+                      stream: int = TRAIN_STREAM) -> DiffusionMicrobatch:
+    """Noises packed prompt/answer examples; see the module docstring for the semantics."""
+    rows_ids, pos, seg_lens = [], [], []
+    sel, tgt, wts, part = [], [], [], []
+    stats = np.zeros(6, dtype=np.float64)
+    for p, (pack, key) in enumerate(zip(packs, keys)):
+        tokens, mask, doc_lens = pack[0], pack[1], pack[2]
+        answer_lens = pack[3] if len(pack) > 3 else None
+        L = len(tokens)
+        noised = tokens.astype(np.int64).copy()
+        start = 0
+        for d, n in enumerate(int(x) for x in doc_lens):
+            sup = np.flatnonzero(mask[start : start + n]) + start
+            if shift:  # the document's first token has no position before it in the document
+                sup = sup[sup > start]
+            start += n
+            if len(sup) == 0:
+                continue
+            n_ans = len(sup) if answer_lens is None else min(int(answer_lens[d]), len(sup))
+            is_pad = np.arange(len(sup)) >= n_ans
+            rng = noise_rng(seed, stream, key, d)
+            t = t_min + (1.0 - t_min) * rng.random()
+            masked = rng.random(len(sup)) < t
+            n_pad = len(sup) - n_ans
+            if split:
+                w = np.where(is_pad, padding_weight / max(n_pad, 1), answer_weight / max(n_ans, 1)) if per_example \
+                    else np.where(is_pad, padding_weight, answer_weight)
+            else:
+                w = np.full(len(sup), 1.0 / len(sup) if per_example else 1.0)
+            at = sup[masked]
+            noised[at] = mask_id
+            sel.append(p * L + at - (1 if shift else 0))
+            tgt.append(tokens[at].astype(np.int64))
+            wts.append(w[masked] / t)
+            part.append(is_pad[masked].astype(np.int64))
+            stats += (1, n_ans, n_pad, masked.sum(), t, 0)
+        rows_ids.append(noised)
+        pos.append(np.arange(L))
+        used = int(np.sum(doc_lens))
+        seg_lens.extend([int(x) for x in doc_lens] + ([L - used] if used < L else []))
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt)  # noqa: E731
+    P = len(packs)
+    return DiffusionMicrobatch(
+        input_ids=torch.from_numpy(np.stack(rows_ids)),
+        positions=torch.from_numpy(np.stack(pos).astype(np.int64)),
+        cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)),
+        rows=torch.from_numpy(cat(sel, np.int64)),
+        targets=torch.from_numpy(cat(tgt, np.int64)),
+        weights=torch.from_numpy(cat(wts, np.float64)),
+        part=torch.from_numpy(cat(part, np.int64)),
+        stats=torch.from_numpy(stats),
+        max_seqlen=max(seg_lens) if P else 0,
+    )
+
+
+def resolve_mask_token(mask_token_id: int, vocab_size: int, tokenizer) -> int:
+    """The configured mask token, or the default: the first embedding row past the tokenizer (a reserved row:
+    Qwen3's 151669 of 151936), else the tokenizer's last reserved special token (Llama 3 fills its table).
+
+    Raises:
+        ConfigError: the id is outside the embedding table, or is an ordinary text token of the tokenizer.
+    """
+    n = len(tokenizer) if tokenizer is not None else None
+    if mask_token_id < 0:
+        if n is not None and n < vocab_size:
+            return n
+        reserved = [i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                    if "reserved" in str(tok) and i < vocab_size]
+        if not reserved:
+            raise ConfigError(f"config key 'objective.mask_token_id': no default here (the tokenizer fills the "
+                              f"{vocab_size}-row table and has no reserved special token); set one")
+        return max(reserved)
+    if mask_token_id >= vocab_size:
+        raise ConfigError(f"config key 'objective.mask_token_id': {mask_token_id} is outside the embedding table "
+                          f"(vocab_size {vocab_size}); allowed: 0 .. {vocab_size - 1}, a reserved or special token")
+    if n is not None and mask_token_id < n:
+        special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        if mask_token_id not in special:
+            raise ConfigError(f"config key 'objective.mask_token_id': {mask_token_id} is the text token "
+                              f"{tokenizer.convert_ids_to_tokens(mask_token_id)!r}; use a reserved or special "
+                              f"token, or a row past the tokenizer's {n}")
+    return mask_token_id
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """End-of-text / end-of-turn ids (what ``no_early_eos`` forbids)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    ids |= {vocab[t] for t in _END_TOKENS if t in vocab}
+    return sorted(ids)
+
+
+class MaskedDiffusion(Objective):
+    causal = False
+
+    def __init__(self, cfg: JobConfig):
+        super().__init__(cfg)
+        o = cfg.objective
+        self.chunk = cfg.training.loss_chunk_size
+        self.per_example = o.normalization == "per_example"
+        self.mask_id = o.mask_token_id  # resolved by setup()
+        self.denoms = torch.ones(2, dtype=torch.float64)
+        self.step_stats = torch.zeros(6, dtype=torch.float64)
+
+    def setup(self, vocab_size: int, tokenizer) -> dict:
+        self.mask_id = resolve_mask_token(self.cfg.objective.mask_token_id, vocab_size, tokenizer)
+        o = self.cfg.objective
+        return {"objective": "masked_diffusion", "mask_token_id": self.mask_id,
+                "mask_token": tokenizer.convert_ids_to_tokens(self.mask_id)
+                if tokenizer is not None and self.mask_id < len(tokenizer) else None,
+                "shift": o.shift, "normalization": o.normalization, "t_min": o.t_min, "split_loss": o.split_loss,
+                "answer_weight": o.answer_weight, "padding_weight": o.padding_weight,
+                "end_token_ids": end_token_ids(tokenizer) if tokenizer is not None else []}
+
+    def collate(self, packs: list, groups: list[int], keys: list[int], *, stream: int = TRAIN_STREAM,
+                seed: int | None = None) -> DiffusionMicrobatch:
+        o = self.cfg.objective
+        return collate_diffusion(packs, keys, mask_id=self.mask_id, t_min=o.t_min, shift=o.shift,
+                                 split=o.split_loss, answer_weight=o.answer_weight, padding_weight=o.padding_weight,
+                                 per_example=self.per_example, seed=self.cfg.job.seed if seed is None else seed,
+                                 stream=stream)
+
+    def denominators(self, stats: torch.Tensor) -> torch.Tensor:
+        """[answer, padding] denominators from all-reduced stats: examples (per_example), or supervised
+        positions (per_token: all of them, or each part's own with split_loss)."""
+        if self.per_example:
+            return torch.stack([stats[0], stats[0]])
+        if self.cfg.objective.split_loss:
+            return stats[1:3].clone()
+        return torch.stack([stats[1] + stats[2]] * 2)
+
+    def begin_step(self, batch, dataset, first: bool) -> str | None:
+        stats = sum((mb.stats for mb in batch.microbatches), torch.zeros(6, dtype=torch.float64))
+        dist.all_reduce(stats, group=self.dp_group)
+        if stats[0] == 0:
+            raise BatchError(f"step {batch.step + 1}: no example of the global batch has an answer token; its "
+                             f"packs: {dataset.describe_sources([int(i) for i in batch.global_ids])}")
+        self.step_stats = stats
+        self.denoms = self.denominators(stats).clamp(min=1.0)
+        return None
+
+    def masked_ce(self, model, hidden, mb: DiffusionMicrobatch, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over the masked positions of weight x CE; the head runs at those positions only."""
+        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.targets, self.chunk, weights, rows=mb.rows)
+
+    def loss(self, model: torch.nn.Module, mb: DiffusionMicrobatch) -> torch.Tensor:
+        hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+        return self.masked_ce(model, hidden, mb, (mb.weights / self.denoms.to(mb.weights.device)[mb.part]).float())
+
+    def step_metrics(self) -> dict:
+        s = self.step_stats
+        return {"n_loss_tokens": int(s[3]), "n_examples": int(s[0]),
+                "mask_fraction": float(s[3] / max(float(s[1] + s[2]), 1.0)), "mean_t": float(s[4] / max(float(s[0]), 1.0))}
+
+    def build_validator(self) -> Validator | None:
+        v = self.cfg.validation
+        validators: list[Validator] = []
+        if v.path or v.test_path:
+            validators.append(DenoisingValidator(self))
+        if v.generation_eval_path and v.generation_every:
+            from titan_sft.diffusion_sampler import GenerationValidator
+
+            validators.append(GenerationValidator(self))
+        return Validators(validators) if validators else None
+
+
+class DenoisingValidator(Validator):
+    """Deterministic denoising loss on the validation split every ``validation.interval`` steps and after the last;
+    the best checkpoint by it (``keep_best``); the test split once at the end with the best weights.
+
+    Noise and masks come from ``validation.noise_seed`` and each example's index, so the number is comparable across
+    steps and runs. Records: the objective's weighted loss over the whole split (its normalisation, with the
+    split's example / position counts as denominators), the unweighted CE per masked token, the realised masked
+    fraction and the mean t. Every data-parallel rank evaluates its share of packs; sums are all-reduced.
+    """
+
+    def __init__(self, objective: MaskedDiffusion):
+        from titan_sft.data.dataset import PackedDataset
+
+        cfg = objective.cfg
+        v = cfg.validation
+        self.objective, self.cfg = objective, cfg
+        self.validation = PackedDataset(v.path) if v.path else None
+        self.test = PackedDataset(v.test_path) if v.test_path else None
+        self.interval, self.keep_best = v.interval, v.keep_best and self.validation is not None
+        self.per_device = cfg.training.per_device_batch
+        self.best = None  # best validation loss so far (read back from checkpoints-best on resume)
+        self.rounds = 0
+
+    def _best_so_far(self) -> float:
+        if self.best is None:
+            meta = Path(self.cfg.job.dump_folder) / "checkpoints-best" / "meta.json"
+            try:
+                self.best = float(json.loads(meta.read_text())["validation_loss"])
+            except (OSError, ValueError, KeyError):
+                self.best = math.inf
+        return self.best
+
+    def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
+        last = step == total_steps
+        records = []
+        if self.validation is not None and (last or (self.interval and step % self.interval == 0)):
+            rec = {"split": "validation", "step": step, **self.evaluate(model, self.validation, VALIDATION_STREAM)}
+            self.rounds += 1
+            if self.keep_best and rec["loss"] < self._best_so_far():
+                self.best = rec["loss"]
+                checkpointer.save(step, kind="best", extra_meta={"validation_loss": rec["loss"]})
+                rec["best"] = True
+            records.append(rec)
+        if last and self.test is not None:
+            weights = "final"
+            if self.keep_best:
+                checkpointer.wait()
+                best_step = checkpointer.load_weights(checkpointer.root / "checkpoints-best")
+                weights = f"best (step {best_step})"
+            records.append({"split": "test", "step": step, "weights": weights,
+                            **self.evaluate(model, self.test, TEST_STREAM)})
+        return records
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, dataset, stream: int) -> dict:
+        obj = self.objective
+        group = obj.dp_group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        n = len(dataset)
+        mine = list(range(rank, n, world))
+        per_rank = -(-n // world)
+        device = next(model.parameters()).device
+        sums = torch.zeros(10, dtype=torch.float64)  # S_answer, S_padding, CE, stats[6], forwards
+        was_training = model.training
+        model.eval()
+        for start in range(0, per_rank, self.per_device):
+            picks = range(start, min(start + self.per_device, per_rank))
+            ids = [mine[j] if j < len(mine) else 0 for j in picks]
+            mb = obj.collate([dataset[i] for i in ids], [0] * len(ids), ids, stream=stream,
+                             seed=self.cfg.validation.noise_seed)
+            keep = torch.ones(len(mb.rows), dtype=torch.float64)
+            if any(j >= len(mine) for j in picks):  # padding forward on ranks with a pack fewer: same shapes, no loss
+                mb.weights.zero_()
+                keep.zero_()
+                mb.stats.zero_()
+            mb = mb.to(device)
+            hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+            parts = [obj.masked_ce(model, hidden, mb, (mb.weights * (mb.part == k)).float()) for k in (0, 1)]
+            ce = obj.masked_ce(model, hidden, mb, keep.float().to(device))
+            sums += torch.tensor([parts[0].item(), parts[1].item(), ce.item(), *mb.stats.tolist(), 1.0],
+                                 dtype=torch.float64)
+        dist.all_reduce(sums, group=group)
+        model.train(was_training)
+        stats = sums[3:9]
+        denoms = obj.denominators(stats).clamp(min=1.0)
+        loss = float(sums[0] / denoms[0] + sums[1] / denoms[1])
+        masked = float(stats[3])
+        return {"loss": loss, "masked_ce": float(sums[2]) / max(masked, 1.0), "n_examples": int(stats[0]),
+                "n_masked": int(masked), "mask_fraction": masked / max(float(stats[1] + stats[2]), 1.0),
+                "mean_t": float(stats[4]) / max(float(stats[0]), 1.0)}
+
+
+register_objective("masked_diffusion", MaskedDiffusion)
