@@ -195,8 +195,8 @@ class Validation:
     remasking: Literal["low_confidence", "random"] = doc("low_confidence", "masked_diffusion sampler: confidence "
                                                                            "used to pick the tokens revealed")
     cfg_scale: float = doc(0.0, "masked_diffusion sampler: classifier-free guidance scale (0 disables)")
-    no_early_eos: bool = doc(False, "masked_diffusion sampler: forbid end-of-text/turn before the last block "
-                                    "(their logits set to -inf before sampling)")
+    no_early_eos: bool = doc(False, "masked_diffusion sampler: never generate end-of-text/turn tokens (their "
+                                    "logits set to -inf before sampling)")
 
 
 @dataclass
@@ -454,7 +454,7 @@ def validate(cfg: JobConfig) -> None:
     need(v.block_length >= 1 and v.gen_length % v.block_length == 0, "validation.gen_length",
          f"a positive multiple of validation.block_length ({v.block_length})", v.gen_length)
     need(v.gen_steps % max(1, v.gen_length // v.block_length) == 0 and v.gen_steps >= v.gen_length // v.block_length,
-         "validation.gen_steps", f"a positive multiple of the blocks gen_length / block_length", v.gen_steps)
+         "validation.gen_steps", "a positive multiple of the blocks gen_length / block_length", v.gen_steps)
     need(v.temperature >= 0, "validation.temperature", ">= 0", v.temperature)
     need(not v.keep_best or bool(v.path or v.holdout_fraction), "validation.keep_best",
          "false unless validation.path or validation.holdout_fraction gives a held-out set", v.keep_best)

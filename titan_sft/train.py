@@ -81,7 +81,7 @@ class Trainer:
                               cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config)
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
-        self.validator = self.objective.build_validator()
+        self.validator = self.objective.build_validator(model)
         self._banner()
         self.step = self.checkpointer.resume()
         if self.step:

@@ -10,7 +10,7 @@ An objective owns everything between the data and the gradient that differs from
 * ``loss(model, microbatch)``: runs the model to hidden states and applies the output head itself (chunked, or
   only where loss is carried); the returned scalars, summed over microbatches and ranks, are the step loss;
 * ``step_metrics()``: extra fields of the step's train record;
-* ``build_validator()``: what runs every so often and at the end (or None).
+* ``build_validator(model)``: what runs every so often and at the end (or None).
 
 Register one with ``titan_sft.registry.register_objective(name, build)`` where ``build(cfg)`` returns an
 :class:`Objective`; the trainer never names a concrete objective.
@@ -83,7 +83,9 @@ class Objective:
     def step_metrics(self) -> dict[str, Any]:
         return {}
 
-    def build_validator(self) -> Validator | None:
+    def build_validator(self, model: torch.nn.Module) -> Validator | None:
+        """Called once the model holds its starting weights (before any resume), so a validator may keep what it
+        needs of them."""
         return None
 
 

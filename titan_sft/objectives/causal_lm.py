@@ -87,7 +87,7 @@ class CausalLM(Objective):
     def step_metrics(self) -> dict:
         return {"n_loss_tokens": int(self.counts.sum().item())}
 
-    def build_validator(self) -> Validator | None:
+    def build_validator(self, model: torch.nn.Module) -> Validator | None:
         v = self.cfg.validation
         validators: list[Validator] = []
         if v.path or v.holdout_fraction:

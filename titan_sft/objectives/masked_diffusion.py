@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from titan_sft.config import ConfigError, JobConfig
+from titan_sft.diffusion_sampler import GenerationValidator, end_token_ids
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.objectives import BatchError, Objective, Validator, Validators
 from titan_sft.registry import register_objective
 
 TRAIN_STREAM, VALIDATION_STREAM, TEST_STREAM = 0, 1, 2
-_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
 
 
 @dataclass
@@ -160,14 +160,6 @@ def resolve_mask_token(mask_token_id: int, vocab_size: int, tokenizer) -> int:
     return mask_token_id
 
 
-def end_token_ids(tokenizer) -> list[int]:
-    """End-of-text / end-of-turn ids (what ``no_early_eos`` forbids)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    vocab = tokenizer.get_vocab()
-    ids |= {vocab[t] for t in _END_TOKENS if t in vocab}
-    return sorted(ids)
-
-
 class MaskedDiffusion(Objective):
     causal = False
 
@@ -230,15 +222,13 @@ class MaskedDiffusion(Objective):
         return {"n_loss_tokens": int(s[3]), "n_examples": int(s[0]),
                 "mask_fraction": float(s[3] / max(float(s[1] + s[2]), 1.0)), "mean_t": float(s[4] / max(float(s[0]), 1.0))}
 
-    def build_validator(self) -> Validator | None:
+    def build_validator(self, model: torch.nn.Module) -> Validator | None:
         v = self.cfg.validation
         validators: list[Validator] = []
         if v.path or v.test_path:
             validators.append(DenoisingValidator(self))
         if v.generation_eval_path and v.generation_every:
-            from titan_sft.diffusion_sampler import GenerationValidator
-
-            validators.append(GenerationValidator(self))
+            validators.append(GenerationValidator(self, model))
         return Validators(validators) if validators else None
 
 

@@ -1,0 +1,275 @@
+"""LLaDA's low-confidence remasking sampler, and generation validation for masked-diffusion runs.
+
+Sampling (shared/spec/masked_diffusion.md): start from ``[prompt | mask x gen_length]``; the answer is cut into
+blocks of ``block_length`` denoised left to right, each in ``steps / n_blocks`` steps. At each step the model
+scores every position; a token x0 is drawn per position from softmax(logits / temperature) with Gumbel noise in
+float64 (temperature 0 = argmax); its confidence is its softmax probability (``low_confidence``) or uniform noise
+(``random``); positions outside the current block or already revealed get -inf; the k most confident masked
+positions of the block are revealed, k following :func:`reveal_schedule`.
+
+``forbid_ids`` (end-of-text / end-of-turn, the ``no_early_eos`` option) get logits of -inf BEFORE sampling, so
+they are never drawn. (LLaDA's published code applies this after drawing, where it changes only the confidence
+and an end token can still be revealed; we do what the option says.)
+Classifier-free guidance: ``logits = uncond + (s + 1) * (cond - uncond)``, the unconditional pass with the prompt
+replaced by mask tokens. Reproducible: every prompt has its own seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+_THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.S)
+
+
+def reveal_schedule(n_masked: int, steps: int) -> list[int]:
+    """Tokens revealed at each of ``steps`` steps: ``n_masked // steps`` each, the remainder one each over the
+    first steps (LLaDA's ``get_num_transfer_tokens``)."""
+    base, rem = divmod(n_masked, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """argmax of exp(logits) / (-log u)^temperature in float64 (a sample of softmax(logits / temperature));
+    temperature 0 is the plain argmax."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.double()
+    u = torch.rand(logits.shape, dtype=torch.float64, generator=generator, device=logits.device)
+    return (logits.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+
+
+@torch.no_grad()
+def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, *, mask_id: int,
+             gen_length: int, block_length: int, steps: int, temperature: float = 0.0,
+             remasking: str = "low_confidence", cfg_scale: float = 0.0, forbid_ids: list[int] | None = None,
+             seed: int = 0, trace: list | None = None) -> torch.Tensor:
+    """Generates ``gen_length`` tokens after ``prompt`` (long [Lp]); returns them (long [gen_length]).
+
+    Args:
+        logits_fn: ``ids [B, T] -> logits [B, T, vocab]`` with bidirectional attention.
+        trace: if given, receives (step, positions revealed) per step (tests check the schedule with it).
+    """
+    if gen_length % block_length:
+        raise ValueError(f"gen_length {gen_length} must be a multiple of block_length {block_length}")
+    n_blocks = gen_length // block_length
+    if steps % n_blocks or steps < n_blocks:
+        raise ValueError(f"steps {steps} must be a positive multiple of the {n_blocks} blocks")
+    per_block = steps // n_blocks
+    device = prompt.device
+    lp = len(prompt)
+    x = torch.full((1, lp + gen_length), mask_id, dtype=torch.long, device=device)
+    x[0, :lp] = prompt
+    gen = torch.Generator(device=device).manual_seed(seed)
+    step = 0
+    for b in range(n_blocks):
+        lo, hi = lp + b * block_length, lp + (b + 1) * block_length
+        schedule = reveal_schedule(int((x[0, lo:hi] == mask_id).sum()), per_block)
+        for k in schedule:
+            masked = x == mask_id
+            if cfg_scale > 0:
+                uncond = x.clone()
+                uncond[0, :lp] = mask_id
+                cond_logits, uncond_logits = logits_fn(torch.cat([x, uncond])).float().chunk(2)
+                logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
+            else:
+                logits = logits_fn(x).float()
+            if forbid_ids:
+                logits[..., forbid_ids] = -math.inf
+            x0 = gumbel_argmax(logits, temperature, gen)
+            if remasking == "low_confidence":
+                conf = torch.gather(F.softmax(logits.double(), -1), -1, x0.unsqueeze(-1)).squeeze(-1)
+            elif remasking == "random":
+                conf = torch.rand(x0.shape, dtype=torch.float64, generator=gen, device=device)
+            else:
+                raise ValueError(f"remasking must be low_confidence or random, got {remasking!r}")
+            in_block = torch.zeros_like(masked)
+            in_block[:, lo:hi] = True
+            conf = torch.where(masked & in_block, conf, -math.inf)
+            picked = torch.topk(conf[0], k).indices if k else torch.zeros(0, dtype=torch.long, device=device)
+            x[0, picked] = x0[0, picked]
+            if trace is not None:
+                trace.append((step, sorted(picked.tolist())))
+            step += 1
+    return x[0, lp:]
+
+
+def end_token_ids(tokenizer) -> list[int]:
+    """End-of-text / end-of-turn ids of a tokenizer (what ``no_early_eos`` forbids, where an answer stops)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    ids |= {vocab[t] for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>") if t in vocab}
+    return sorted(ids)
+
+
+def distinct_n(sequences: list[list[int]], n: int) -> float:
+    """Distinct n-grams over all sequences / all n-grams (0 when there are none)."""
+    grams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def answer_tokens(generated: list[int], end_ids: list[int]) -> list[int]:
+    """The answer proper: up to and including the first end token (the rest is EOS padding)."""
+    for i, t in enumerate(generated):
+        if t in end_ids:
+            return generated[: i + 1]
+    return generated
+
+
+class GenerationValidator:
+    """Every ``validation.generation_every`` validation rounds (and after the last step): the sampler on the
+    prompts of ``validation.generation_eval_path``, then each text's perplexity under the base model (the
+    initial value of every trainable parameter restored: LoRA adapters contribute nothing and the norms are the
+    original ones; causal attention), pooled and as mean / median per text, distinct-1/2/3 and, where the rows carry
+    a reference answer, exact match. Every text with its scores goes to ``generation_metrics.jsonl``.
+
+    All ranks run the same forwards (FSDP needs every rank in each forward); rank 0 writes.
+    """
+
+    def __init__(self, objective, model: torch.nn.Module):
+        from titan_sft.data.chat import load_tokenizer
+        from titan_sft.hf_io import resolve_hf_dir
+
+        self.mask_id = objective.mask_id
+        cfg = objective.cfg
+        self.cfg, v = cfg, cfg.validation
+        tok_dir = cfg.model.tokenizer_path or cfg.model.hf_assets_path
+        if not tok_dir:
+            from titan_sft.data.dataset import PackedDataset
+
+            tok_dir = PackedDataset(cfg.data.path).manifest.get("tokenizer", "")
+        self.tokenizer = load_tokenizer(resolve_hf_dir(tok_dir))
+        self.prompts = load_prompts(v.generation_eval_path, self.tokenizer, v.max_examples)
+        self.every, self.rounds = v.generation_every, 0
+        self.interval = v.interval
+        # The base model: the starting value of every trainable parameter (this rank's shard), kept on the host.
+        self.base = {n: p.detach().to_local().cpu().clone() if hasattr(p, "to_local") else p.detach().cpu().clone()
+                     for n, p in model.named_parameters() if p.requires_grad}
+
+    def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
+        last = step == total_steps
+        if not (last or (self.interval and step % self.interval == 0)):
+            return []
+        self.rounds += 1
+        if not (last or self.rounds % self.every == 0):
+            return []
+        summary, rows = self.run(model, step)
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            path = Path(self.cfg.job.dump_folder) / "generation_metrics.jsonl"
+            with open(path, "a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+        return [summary]
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, step: int) -> tuple[dict, list[dict]]:
+        v = self.cfg.validation
+        device = next(model.parameters()).device
+        end_ids = end_token_ids(self.tokenizer)
+        was_training = model.training
+        model.eval()
+        outs = []
+        for i, (prompt, _) in enumerate(self.prompts):
+            ids = generate(lambda x: model(x), torch.tensor(prompt, device=device), mask_id=self.mask_id,
+                           gen_length=v.gen_length, block_length=v.block_length, steps=v.gen_steps,
+                           temperature=v.temperature, remasking=v.remasking, cfg_scale=v.cfg_scale,
+                           forbid_ids=end_ids if v.no_early_eos else None, seed=self.cfg.validation.noise_seed + i)
+            outs.append(answer_tokens(ids.tolist(), end_ids))
+        nll = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device)
+        model.train(was_training)
+        rows, ppl, correct, n_ref = [], [], 0, 0
+        for i, ((prompt, ref), toks, (s, n)) in enumerate(zip(self.prompts, outs, nll)):
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            p = math.exp(s / n) if n else float("nan")
+            ppl.append(p)
+            row = {"step": step, "index": i, "prompt": self.tokenizer.decode(prompt), "text": text,
+                   "n_tokens": len(toks), "perplexity": p}
+            if ref is not None:
+                ok = _THINK.sub("", text).strip() == _THINK.sub("", ref).strip()
+                row["reference"], row["exact_match"] = ref, ok
+                correct, n_ref = correct + ok, n_ref + 1
+            rows.append(row)
+        total_nll, total_n = sum(s for s, _ in nll), sum(n for _, n in nll)
+        finite = [p for p in ppl if math.isfinite(p)]
+        summary = {"split": "generation", "step": step, "n_texts": len(outs),
+                   "perplexity_pooled": math.exp(total_nll / total_n) if total_n else None,
+                   "perplexity_mean": statistics.fmean(finite) if finite else None,
+                   "perplexity_median": statistics.median(finite) if finite else None,
+                   **{f"distinct_{n}": distinct_n(outs, n) for n in (1, 2, 3)},
+                   "mean_length": statistics.fmean(len(o) for o in outs) if outs else 0.0}
+        if n_ref:
+            summary["exact_match"] = correct / n_ref
+        return summary, rows
+
+    def base_model_nll(self, model, prompts, outs, device) -> list[tuple[float, int]]:
+        """(summed NLL, tokens) of each generated answer given its prompt, under the base model with causal
+        attention: trainable parameters swapped for their starting values, then back."""
+        swap_parameters(model, self.base)
+        backend = model.backend
+        backend.causal = True
+        try:
+            res = []
+            for prompt, toks in zip(prompts, outs):
+                if not toks:
+                    res.append((0.0, 0))
+                    continue
+                ids = torch.tensor([prompt + toks], device=device)
+                logits = model(ids).float()[0, len(prompt) - 1 : -1]
+                nll = F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum")
+                res.append((float(nll), len(toks)))
+            return res
+        finally:
+            backend.causal = False
+            swap_parameters(model, self.base)
+
+
+def swap_parameters(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> None:
+    """Exchanges the named parameters' local values with ``store`` (in place, both ways). FSDP modules are
+    resharded first, so no unsharded copy of the old values outlives the swap."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    params = dict(model.named_parameters())
+    for name, saved in store.items():
+        local = params[name].detach()
+        local = local.to_local() if hasattr(local, "to_local") else local
+        tmp = local.cpu().clone()
+        local.copy_(saved.to(local.device))
+        store[name] = tmp
+
+
+def load_prompts(path: str, tokenizer, limit: int) -> list[tuple[list[int], str | None]]:
+    """(prompt ids, reference answer or None) per row of a chat / instruction JSONL (the last assistant turn is
+    the reference; a chat row ending with a user turn is a prompt without one)."""
+    from titan_sft.data.prepare_diffusion import examples_from_row
+
+    out = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        msgs = row.get("messages")
+        if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "user":
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            out.append((tokenizer.encode(text, add_special_tokens=False), None))
+        else:
+            try:
+                prompt_msgs, answer = examples_from_row(row, np.random.default_rng(0), -1, 1.0)[-1]
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+            text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+            out.append((tokenizer.encode(text, add_special_tokens=False), answer["content"]))
+        if len(out) == limit:
+            break
+    return out
