@@ -1,7 +1,8 @@
 """Built-in model converters: swap modules of the meta-device model before it is sharded.
 
 A converter is ``apply(model, cfg, device)``, registered by name (``titan_sft.registry.register_converter``) and
-chosen by config (``training.float8``, ``model.converters``). LoRA arrives as one more converter.
+chosen by config (``training.float8``, ``model.converters``). LoRA (``titan_sft.lora``) registers itself from
+its own module, imported here so that ``get_converter("lora")`` finds it.
 """
 
 from __future__ import annotations
@@ -145,3 +146,5 @@ def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> 
 
 
 register_converter("float8", float8_converter)
+
+import titan_sft.lora  # noqa: E402,F401 - registers "lora"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.constants import DTYPES
-from titan_sft.models.hf_adapter import args_from_hf_config, hf_config_from_args
+from titan_sft.models.hf_adapter import args_from_hf_config, hf_config_from_args, native_to_hf_name
 from titan_sft.models.transformer import TransformerArgs
 from titan_sft.registry import TrainSpec, spec_for_hf_model_type
 
@@ -159,8 +160,11 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+    from titan_sft.lora import is_adapter_key
+
     adapter = spec.state_dict_adapter(args)
-    hf_state = adapter.to_hf(get_model_state_dict(model))
+    # LoRA adapters are not in an HF checkpoint; they start from their own init (titan_sft.lora).
+    hf_state = adapter.to_hf({k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)})
     shapes = hf_tensor_shapes(path)
     for name, tensor in hf_state.items():
         if name not in shapes:
@@ -182,13 +186,17 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
 
 def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "bfloat16",
               tokenizer_dir: str | None = None, max_shard_gb: float = 5.0, *, spec: TrainSpec,
-              generation_config: bool = True) -> Path:
+              generation_config: bool = True, lora=None, adapter_dir: str | Path | None = None,
+              base_model: str | None = None) -> Path:
     """Writes an HF directory (config.json, generation_config.json, safetensors shards + index, padded tokenizer)
     atomically.
 
     Parameters are gathered one tensor at a time onto rank 0's CPU (``full_state_dict`` + ``cpu_offload``), so no
     rank holds the whole model on its device; rank 0 writes. Call it on every rank. ``generation_config=False``
     writes what the reference SFT export writes (no generation_config.json).
+
+    With LoRA (``lora``: the run's ``[lora]`` config) the export holds the merged weights (W + alpha/r B A), and
+    ``adapter_dir`` receives the adapter as PEFT loads it (``titan_sft.lora.save_peft_adapter``).
     """
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -198,6 +206,18 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank() == 0:
         tdtype = DTYPES[dtype]
+        if lora is not None:
+            from titan_sft.lora import merge_lora, save_peft_adapter
+
+            if adapter_dir is not None:
+                adapter_dir = Path(adapter_dir)
+                tmp_adapter = adapter_dir.with_name(adapter_dir.name + ".partial")
+                shutil.rmtree(tmp_adapter, ignore_errors=True)
+                save_peft_adapter({k: v.to(tdtype) for k, v in full.items()}, lora, tmp_adapter, base_model,
+                                  lora.train_norms, native_to_hf_name)
+                shutil.rmtree(adapter_dir, ignore_errors=True)
+                tmp_adapter.rename(adapter_dir)
+            full = merge_lora(full, lora.alpha / lora.rank)
         hf_sd = {k: v.to(tdtype).contiguous() for k, v in spec.state_dict_adapter(args).to_hf(full).items()}
         _write_safetensors(hf_sd, tmp, int(max_shard_gb * 1e9), save_file)
         import transformers
@@ -289,7 +309,13 @@ class HFExporter:
     tokenizer_dir: str | None
     max_shard_gb: float
     generation_config: bool = True
+    lora: Any = None  # the run's [lora] config when it trains adapters: merged export + PEFT adapter
+    base_model: str | None = None  # recorded in the adapter's config (the HF directory the run started from)
 
     def __call__(self, model, out_dir: str | Path) -> Path:
+        out_dir = Path(out_dir)
+        # hf/step-<L> holds the merged model; adapters/step-<L> the PEFT adapter
+        adapter_dir = out_dir.parent.parent / "adapters" / out_dir.name if self.lora is not None else None
         return export_hf(model, self.args, out_dir, self.dtype, self.tokenizer_dir, self.max_shard_gb, spec=self.spec,
-                         generation_config=self.generation_config)
+                         generation_config=self.generation_config, lora=self.lora, adapter_dir=adapter_dir,
+                         base_model=self.base_model)

@@ -78,7 +78,9 @@ class Trainer:
         self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps,
                                              flops_per_token(self.args, self.seq_len))
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
-                              cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config)
+                              cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config,
+                              lora=cfg.lora if "lora" in cfg.model.converters else None,
+                              base_model=cfg.model.hf_assets_path if cfg.model.init_from_hf else None)
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
         self.validator = self.objective.build_validator(model)
@@ -108,12 +110,19 @@ class Trainer:
     def _init_weights(self, model) -> None:
         """HF weights (each rank reads its own shards) or a seeded random init that is identical for any world
         size: rank 0 builds the full state on CPU and every rank receives its shards (``broadcast_from_rank0``)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         if self.cfg.model.init_from_hf:
             load_hf_weights(model, self.args, self.cfg.model.hf_assets_path, self.spec)
             self._report_vocab()
-            return
+        else:
+            self._random_init(model)
+        # Parameters a converter added (LoRA adapters) are not in the base weights: they draw their own init.
+        for m in model.modules():
+            if hasattr(m, "reset_converter_parameters"):
+                m.reset_converter_parameters(self.cfg.job.seed)
+
+    def _random_init(self, model) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         full = {}
         if self.dist.rank == 0:
             with torch.device("meta"):
@@ -122,7 +131,8 @@ class Trainer:
             torch.manual_seed(self.cfg.job.seed)
             cpu_model.init_weights()
             full = cpu_model.state_dict()
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                   strict=False))
 
     def _report_vocab(self) -> None:
         if self.dist.rank != 0 or not self.tokenizer_dir():

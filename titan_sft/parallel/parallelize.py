@@ -53,16 +53,18 @@ def selective_checkpoint_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2, preserve_rng: bool = False) -> None:
     """'full': recompute every block in backward; 'every_n': every n-th block (0, n, 2n, ...); 'selective':
-    every block, recomputing all but the ops of :func:`_save_ops`."""
+    every block, recomputing all but the ops of :func:`_save_ops`. ``preserve_rng``: replay the forward's RNG
+    state in the recompute (needed when a block draws random numbers, e.g. LoRA dropout)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if mode == "selective":
-            wrapped = checkpoint_wrapper(block, context_fn=selective_checkpoint_context, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, context_fn=selective_checkpoint_context,
+                                         preserve_rng_state=preserve_rng)
         elif mode == "full" or (mode == "every_n" and i % every_n == 0):
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
         else:
             continue
         model.layers.register_module(name, wrapped)
@@ -112,7 +114,8 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_plan)
     if t.activation_checkpoint != "none":
-        apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n)
+        dropout = "lora" in cfg.model.converters and cfg.lora.dropout > 0
+        apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
     if t.compile:
         apply_compile(model)
     apply_fsdp(model, mesh["dp_replicate", "dp_shard"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype])
