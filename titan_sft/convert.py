@@ -39,8 +39,13 @@ def _config_from_meta(meta: dict) -> JobConfig:
     return cfg
 
 
-def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:
-    """DCP checkpoint -> HF directory, rebuilt from the checkpoint's saved config."""
+def model_from_checkpoint(checkpoint: str | Path):
+    """(model on CPU with the checkpoint's weights, its run config, train spec, model args), in one process.
+
+    The model is rebuilt from the checkpoint's saved config, LoRA adapters included when the run trained them
+    (other converters, float8, change only how a run computes, not the weights)."""
+    from titan_sft.lora import apply_lora
+
     ckpt = Path(checkpoint)
     meta = read_meta(ckpt)
     if meta is None:
@@ -49,15 +54,27 @@ def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | N
     spec = get_train_spec(cfg.model.name)
     args = model_args(cfg.model, spec)
     model = build_model(args)
+    if "lora" in cfg.model.converters:
+        apply_lora(model, cfg)
     model.to_empty(device="cpu")
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
+    return model.eval(), cfg, spec, args
+
+
+def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:
+    """DCP checkpoint -> HF directory, rebuilt from the checkpoint's saved config (LoRA adapters merged, and the
+    PEFT adapter written to ``<out>-adapter``)."""
+    model, cfg, spec, args = model_from_checkpoint(checkpoint)
     tok = tokenizer or cfg.model.tokenizer_path or cfg.model.hf_assets_path or None
     if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         print(f"convert: no tokenizer in {tok}; writing no tokenizer (pass --tokenizer DIR)", file=sys.stderr)
         tok = None
-    return export_hf(model, args, out, dtype, tok, cfg.checkpoint.hf_max_shard_size_gb, spec=spec)
+    lora = cfg.lora if "lora" in cfg.model.converters else None
+    return export_hf(model, args, out, dtype, tok, cfg.checkpoint.hf_max_shard_size_gb, spec=spec, lora=lora,
+                     adapter_dir=f"{out}-adapter" if lora else None,
+                     base_model=cfg.model.hf_assets_path if cfg.model.init_from_hf else None)
 
 
 def from_hf(hf: str, out: str, model_name: str | None = None, flavor: str | None = None) -> Path:

@@ -52,11 +52,12 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Gen
 def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, *, mask_id: int,
              gen_length: int, block_length: int, steps: int, temperature: float = 0.0,
              remasking: str = "low_confidence", cfg_scale: float = 0.0, forbid_ids: list[int] | None = None,
-             seed: int = 0, trace: list | None = None) -> torch.Tensor:
+             seed: int = 0, shift: bool = False, trace: list | None = None) -> torch.Tensor:
     """Generates ``gen_length`` tokens after ``prompt`` (long [Lp]); returns them (long [gen_length]).
 
     Args:
         logits_fn: ``ids [B, T] -> logits [B, T, vocab]`` with bidirectional attention.
+        shift: the model was trained to predict token i at position i - 1 (``objective.shift``, Dream-style).
         trace: if given, receives (step, positions revealed) per step (tests check the schedule with it).
     """
     if gen_length % block_length:
@@ -83,6 +84,8 @@ def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Te
                 logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
             else:
                 logits = logits_fn(x).float()
+            if shift:  # position i's distribution is read at i - 1
+                logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
             if forbid_ids:
                 logits[..., forbid_ids] = -math.inf
             x0 = gumbel_argmax(logits, temperature, gen)
@@ -182,7 +185,8 @@ class GenerationValidator:
             ids = generate(lambda x: model(x), torch.tensor(prompt, device=device), mask_id=self.mask_id,
                            gen_length=v.gen_length, block_length=v.block_length, steps=v.gen_steps,
                            temperature=v.temperature, remasking=v.remasking, cfg_scale=v.cfg_scale,
-                           forbid_ids=end_ids if v.no_early_eos else None, seed=self.cfg.validation.noise_seed + i)
+                           forbid_ids=end_ids if v.no_early_eos else None, seed=self.cfg.validation.noise_seed + i,
+                           shift=self.cfg.objective.shift)
             outs.append(answer_tokens(ids.tolist(), end_ids))
         nll = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device)
         model.train(was_training)

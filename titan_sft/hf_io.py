@@ -187,7 +187,7 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
 def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "bfloat16",
               tokenizer_dir: str | None = None, max_shard_gb: float = 5.0, *, spec: TrainSpec,
               generation_config: bool = True, lora=None, adapter_dir: str | Path | None = None,
-              base_model: str | None = None) -> Path:
+              base_model: str | None = None, objective: dict | None = None) -> Path:
     """Writes an HF directory (config.json, generation_config.json, safetensors shards + index, padded tokenizer)
     atomically.
 
@@ -196,7 +196,9 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
     writes what the reference SFT export writes (no generation_config.json).
 
     With LoRA (``lora``: the run's ``[lora]`` config) the export holds the merged weights (W + alpha/r B A), and
-    ``adapter_dir`` receives the adapter as PEFT loads it (``titan_sft.lora.save_peft_adapter``).
+    ``adapter_dir`` receives the adapter as PEFT loads it (``titan_sft.lora.save_peft_adapter``). ``objective``
+    (the run's objective record, e.g. the masked-diffusion mask token) is written beside the weights as
+    ``objective.json``, so ``titan_sft.generate`` can run an export without the run folder.
     """
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -215,6 +217,8 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
                 shutil.rmtree(tmp_adapter, ignore_errors=True)
                 save_peft_adapter({k: v.to(tdtype) for k, v in full.items()}, lora, tmp_adapter, base_model,
                                   lora.train_norms, native_to_hf_name)
+                if objective:
+                    (tmp_adapter / "objective.json").write_text(json.dumps(objective, indent=2) + "\n")
                 shutil.rmtree(adapter_dir, ignore_errors=True)
                 tmp_adapter.rename(adapter_dir)
             full = merge_lora(full, lora.alpha / lora.rank)
@@ -225,6 +229,8 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
         config = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture, tdtype)
         config["transformers_version"] = transformers.__version__
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if objective:
+            (tmp / "objective.json").write_text(json.dumps(objective, indent=2) + "\n")
         tokenizer = save_padded_tokenizer(tokenizer_dir, tmp, args.vocab_size) if tokenizer_dir else None
         if generation_config:
             (tmp / "generation_config.json").write_text(json.dumps(build_generation_config(config, tokenizer), indent=2))
@@ -311,6 +317,7 @@ class HFExporter:
     generation_config: bool = True
     lora: Any = None  # the run's [lora] config when it trains adapters: merged export + PEFT adapter
     base_model: str | None = None  # recorded in the adapter's config (the HF directory the run started from)
+    objective: dict | None = None  # the objective's record (objective.json), written beside the weights
 
     def __call__(self, model, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)
@@ -318,4 +325,4 @@ class HFExporter:
         adapter_dir = out_dir.parent.parent / "adapters" / out_dir.name if self.lora is not None else None
         return export_hf(model, self.args, out_dir, self.dtype, self.tokenizer_dir, self.max_shard_gb, spec=self.spec,
                          generation_config=self.generation_config, lora=self.lora, adapter_dir=adapter_dir,
-                         base_model=self.base_model)
+                         base_model=self.base_model, objective=self.objective)

@@ -80,7 +80,8 @@ class Trainer:
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
                               cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config,
                               lora=cfg.lora if "lora" in cfg.model.converters else None,
-                              base_model=cfg.model.hf_assets_path if cfg.model.init_from_hf else None)
+                              base_model=cfg.model.hf_assets_path if cfg.model.init_from_hf else None,
+                              objective=self.objective_record or None)
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
         self.validator = self.objective.build_validator(model)
