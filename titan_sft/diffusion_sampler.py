@@ -10,7 +10,7 @@ positions of the block are revealed, k following :func:`reveal_schedule`.
 ``forbid_ids`` (end-of-text / end-of-turn, the ``no_early_eos`` option) get logits of -inf BEFORE sampling, so
 they are never drawn. (LLaDA's published code applies this after drawing, where it changes only the confidence
 and an end token can still be revealed; we do what the option says.)
-Classifier-free guidance: ``logits = uncond + (s + 1) * (cond - uncond)``, the unconditional pass with the prompt
+The mask token itself is never drawn. Classifier-free guidance: ``logits = uncond + (s + 1) * (cond - uncond)``, the unconditional pass with the prompt
 replaced by mask tokens. Reproducible: every prompt has its own seed.
 """
 
@@ -86,6 +86,7 @@ def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Te
                 logits = logits_fn(x).float()
             if shift:  # position i's distribution is read at i - 1
                 logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+            logits[..., mask_id] = -math.inf  # a revealed position must hold a real token
             if forbid_ids:
                 logits[..., forbid_ids] = -math.inf
             x0 = gumbel_argmax(logits, temperature, gen)

@@ -46,11 +46,12 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
         self.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
         self.scale = alpha / rank
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout = dropout  # a float, not a submodule: parallel styles partition every submodule of a linear
         self.key = zlib.crc32(key.encode())  # seeds this module's init: the same for any layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b) * self.scale
+        h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        return F.linear(x, self.weight) + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.scale
 
     def reset_converter_parameters(self, seed: int) -> None:
         """A ~ kaiming-uniform (PEFT's init: bound 1 / sqrt(in)), B = 0, drawn whole on the CPU from (seed, module
