@@ -450,3 +450,51 @@ def test_debug_diffusion_job_learns_and_generate_cli(tmp_path):
         outs[name] = [json.loads(x) for x in g.stdout.splitlines()]
         assert sum(o["text"].strip() == o["reference"] for o in outs[name]) >= 4, outs[name]
     assert [o["text"] for o in outs["hf"]] == [o["text"] for o in outs["adapter"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# operational features carried over from the reference trainer
+
+
+def test_lr_scaling_8bit_adamw_error_and_run_folder_suffix(tmp_path):
+    from titan_sft.checkpoint import run_folder
+    from titan_sft.optimizer import build_optimizer, scaled_lr
+
+    o = load_config(None, ["--optimizer.lr", "1e-4", "--optimizer.reference_batch", "16"]).optimizer
+    assert scaled_lr(o, 64) == 1e-4
+    o.lr_scaling = "sqrt"
+    assert scaled_lr(o, 64) == pytest.approx(2e-4)
+    o.lr_scaling = "linear"
+    assert scaled_lr(o, 64) == pytest.approx(4e-4)
+    assert build_optimizer(_model(), o, 64).param_groups[0]["lr"] == pytest.approx(4e-4)
+    o.name = "adamw8bit"
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="'adamw8bit' needs bitsandbytes"):
+            build_optimizer(_model(), o, 64)
+    # An earlier run's folder is never reused unless this run resumes from it.
+    run = tmp_path / "run"
+    assert run_folder(str(run), "none") == str(run)  # nothing there yet
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert run_folder(str(run), "none") == f"{run}-1"
+    assert run_folder(str(run), "auto") == f"{run}-1"  # no checkpoint to resume from
+    (tmp_path / "run-1").mkdir()
+    assert run_folder(str(run), "none") == f"{run}-2"
+    ckpt = run / "checkpoints" / "step-3"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_text("")
+    (ckpt / "meta.json").write_text('{"step": 4}')
+    assert run_folder(str(run), "auto") == str(run)  # resuming: the same folder
+
+
+def test_8b_diffusion_recipe_dry_runs():
+    cfg = load_config(ROOT / "train_configs" / "qwen3_8b_diffusion_lora.toml", ["--model.init_from_hf", "false"])
+    assert (cfg.objective.name, cfg.model.converters, cfg.objective.t_min) == ("masked_diffusion", ["lora"], 0.001)
+    env = {**os.environ, "WORLD_SIZE": "8"}
+    r = subprocess.run([sys.executable, "-m", "titan_sft.train", "--config", "train_configs/qwen3_8b_diffusion_lora.toml",
+                        "--dry-run", "--model.init_from_hf", "false"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "LoRA: rank 64" in r.stdout and "unshifted (LLaDA)" in r.stdout
+    assert "gradients 0.08 GiB, AdamW state 0.16 GiB" in r.stdout  # state for the adapters and norms only

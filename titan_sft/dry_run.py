@@ -35,7 +35,8 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int) -> dic
 
     Parameters under a column-/row-wise style of the tensor-parallel plan are split tp ways (norm weights are
     replicated); FSDP splits everything dp_shard ways. ``deferred_grads``: the whole (unsharded over dp) fp32
-    gradients that ``grad_reduce = "last_microbatch"`` keeps between microbatches.
+    gradients that ``grad_reduce = "last_microbatch"`` keeps between microbatches. Gradients and optimizer state
+    exist for trainable parameters only (LoRA freezes the base).
     """
     root, block = plan
     split = [f for f, st in root.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
@@ -46,13 +47,25 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int) -> dic
         generic = ".".join(["layers", "*", *parts[2:]]) if parts[0] == "layers" else name
         return any(generic.startswith(f + ".") for f in split)
 
-    per_tp = sum(p.numel() / (tp if tp > 1 and is_split(n) else 1) for n, p in model.named_parameters())
-    sharded = per_tp / dp_shard
-    return {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded, "deferred_grads": 4 * per_tp}
+    sizes = [(p.numel() / (tp if tp > 1 and is_split(n) else 1), p.requires_grad) for n, p in model.named_parameters()]
+    per_tp = sum(n for n, _ in sizes)
+    trained = sum(n for n, g in sizes if g)
+    return {"params": 4 * per_tp / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
+            "deferred_grads": 4 * trained}
 
 
 def _short(xs: list) -> str:
     return ", ".join(map(str, xs)) if len(xs) <= 8 else ", ".join(map(str, xs[:4] + ["..."] + xs[-2:]))
+
+
+def _objective_line(cfg) -> str:
+    ob = cfg.objective
+    if cfg.objective.name != "masked_diffusion":
+        return f"objective {ob.name}: see its module"
+    split = f", split answer {ob.answer_weight:g} / padding {ob.padding_weight:g}" if ob.split_loss else ""
+    return (f"masked diffusion: t ~ U({ob.t_min:g}, 1), 1/t-weighted CE at masked answer positions, normalised "
+            f"{ob.normalization}{split}; {'shifted (Dream)' if ob.shift else 'unshifted (LLaDA)'}; mask token "
+            f"{ob.mask_token_id if ob.mask_token_id >= 0 else 'default (first row past the tokenizer)'}")
 
 
 def dry_run(cfg: JobConfig) -> str:
@@ -62,7 +75,7 @@ def dry_run(cfg: JobConfig) -> str:
 
     from titan_sft.data.dataset import PackedDataset
     from titan_sft.data.sampler import holdout_split
-    from titan_sft.optimizer import decay_groups
+    from titan_sft.optimizer import decay_groups, scaled_lr
 
     spec = get_train_spec(cfg.model.name)
     get_objective(cfg.objective.name)  # an unknown objective fails here, as it would at start
@@ -86,14 +99,27 @@ def dry_run(cfg: JobConfig) -> str:
     else:
         L, T = None, cfg.training.steps
         data_lines = [
-            f"data: {cfg.data.path} is not prepared yet (python -m titan_sft.data.prepare ... --out {cfg.data.path}); "
+            f"data: {cfg.data.path} is not prepared yet (python -m titan_sft.data."
+            f"{'prepare_diffusion' if cfg.objective.name == 'masked_diffusion' else 'prepare'} ... --out "
+            f"{cfg.data.path}); "
             "tokens per step and epochs follow from it",
             f"global batch: {B} packed examples per step; per device {cfg.training.per_device_batch}",
             f"steps: {T} (explicit)" if T else "steps: 8 epochs of the packed data (known once it is prepared)",
         ]
-    lr = cfg.optimizer.lr
+    o = cfg.optimizer
+    lr = scaled_lr(o, B)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    lora_line = []
+    if "lora" in cfg.model.converters:
+        from titan_sft.lora import apply_lora
+
+        apply_lora(model, cfg)
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n_all = sum(p.numel() for p in model.parameters())
+        lora_line = [f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}"
+                     f"{' + norms' if cfg.lora.train_norms else ''}: {n_train / 1e6:,.2f}M trainable of "
+                     f"{n_all / 1e6:,.1f}M parameters (optimizer state for those only)"]
     decay, no_decay = decay_groups(model)
     schedule_lines = []
     c = cfg.checkpoint
@@ -136,13 +162,17 @@ def dry_run(cfg: JobConfig) -> str:
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {cfg.model.attention}",
         f"objective: {cfg.objective.name}",
+        *lora_line,
         *data_lines,
+        *([f"lr scaling {o.lr_scaling}: {o.lr:g} x ({B} / {o.reference_batch})"
+           f"{'^0.5' if o.lr_scaling == 'sqrt' else ''} = {lr:.4g}"] if o.lr_scaling != "none" else []),
         *schedule_lines,
         f"weight decay {cfg.optimizer.weight_decay:g} on {len(decay)} tensors; excluded ({len(no_decay)}): norms, "
         f"token embedding{' (tied with the head)' if args.tie_embeddings else ''}, biases",
-        f"clip to global norm {cfg.training.max_grad_norm:g}; AdamW betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2})"
+        f"clip to global norm {cfg.training.max_grad_norm:g}; {'AdamW8bit' if o.name == 'adamw8bit' else 'AdamW'} betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2})"
         f", eps {cfg.optimizer.eps:g}",
-        f"loss groups: {cfg.training.loss_groups} of {B // cfg.training.loss_groups} examples (mean of group token means)",
+        (f"loss groups: {cfg.training.loss_groups} of {B // cfg.training.loss_groups} examples (mean of group token "
+         "means)") if cfg.objective.name == "causal_lm" else _objective_line(cfg),
         cadence,
         *layout,
     ]

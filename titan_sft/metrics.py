@@ -46,6 +46,7 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.t_start = time.monotonic()
         self.start_step: int | None = None
+        self._losses: list[float] = []  # train losses since the last logged record (the running loss)
         self.jsonl = self.tb = self.wandb = None
         if rank != 0:
             return
@@ -72,10 +73,18 @@ class MetricsLogger:
         memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         return {"tokens_per_s": tokens_per_s, "mfu": mfu, "memory_gib": memory}
 
+    def observe(self, record: dict) -> None:
+        """Every train step's record, logged or not: feeds ``loss_running`` (the mean loss since the last log)."""
+        if "loss" in record and not record.get("skipped"):
+            self._losses.append(record["loss"])
+
     def log(self, record: dict) -> None:
         """Writes one record (train or validation); prints a progress line for train records."""
         if self.rank != 0:
             return
+        if record.get("split", "train") == "train" and self._losses:
+            record = {**record, "loss_running": sum(self._losses) / len(self._losses)}
+            self._losses = []
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         split = record.get("split", "train")
@@ -95,7 +104,8 @@ class MetricsLogger:
             eta = (time.monotonic() - self.t_start) / done * (self.total - step)
             mem = f" mem {record['memory_gib']:.1f}GiB" if record.get("memory_gib") is not None else ""
             mfu = f" mfu {record['mfu']:.1f}%" if record.get("mfu") is not None else ""
-            logger.info(f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.3e}  "
+            logger.info(f"step {step}/{self.total}  loss {record['loss']:.4f} (avg {record.get('loss_running', record['loss']):.4f})  "
+                        f"lr {record['lr']:.3e}  "
                         f"grad_norm {record['grad_norm']:.3f}  tok/s/dev {record['tokens_per_s']:,.0f}{mfu}{mem}  "
                         f"eta {_fmt_time(eta)}")
         else:

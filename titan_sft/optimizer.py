@@ -1,10 +1,12 @@
-"""AdamW with the recipe's weight-decay mask (recipe items 1-2)."""
+"""AdamW with the recipe's weight-decay mask (recipe items 1-2), the optional 8-bit AdamW of bitsandbytes, and
+learning-rate scaling by batch size."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from titan_sft.config import ConfigError
 from titan_sft.config import Optimizer as OptConfig
 
 
@@ -24,12 +26,29 @@ def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptConfig) -> torch.optim.Optimizer:
+def scaled_lr(cfg: OptConfig, global_batch: int) -> float:
+    """``optimizer.lr`` scaled by (global_batch / reference_batch): its square root (``sqrt``, Adam's usual rule),
+    linearly, or not at all."""
+    ratio = global_batch / cfg.reference_batch
+    return cfg.lr * {"none": 1.0, "sqrt": ratio**0.5, "linear": ratio}[cfg.lr_scaling]
+
+
+def build_optimizer(model: nn.Module, cfg: OptConfig, global_batch: int | None = None) -> torch.optim.Optimizer:
+    """AdamW (or bitsandbytes' AdamW8bit) over the trainable parameters, with the decay mask; the learning rate
+    is :func:`scaled_lr` of ``global_batch`` (the packed examples per step)."""
+    lr = scaled_lr(cfg, global_batch) if global_batch else cfg.lr
     params = dict(model.named_parameters())
     decay, no_decay = decay_groups(model)
     groups = [
         {"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
         {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
     ]
+    if cfg.name == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("config key 'optimizer.name': 'adamw8bit' needs bitsandbytes (pip install "
+                              "'titan_sft[bnb]' or pip install bitsandbytes); or use 'adamw'") from None
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     kwargs = {"fused": True} if cfg.fused else {"foreach": cfg.foreach}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)

@@ -37,7 +37,7 @@ class TrainSpec:
         build_tokenizer_fn(cfg) -> tokenizer (``len()`` is its vocabulary size).
         build_dataloader_fn(cfg, dp_rank, dp_world, collate_fn, pin_memory) -> loader with ``.dataset``,
             ``.sampler``, ``start(step)``, ``next()`` and ``close()`` (see ``titan_sft.data.loader``).
-        build_optimizer_fn(model, cfg.optimizer) -> torch optimizer.
+        build_optimizer_fn(model, cfg.optimizer, global_batch) -> torch optimizer (lr scaled by the batch).
         build_lr_scheduler_fn(optimizer, cfg.lr_scheduler, total_steps) -> LR scheduler.
         build_checkpointer_fn(cfg, model, optimizer, lr_scheduler, sampler, exporter) -> checkpointer.
         build_metrics_fn(cfg, rank, device, total_steps, flops_per_token) -> metrics logger.

@@ -73,7 +73,7 @@ class Trainer:
         self._init_weights(model)
         self.model = model
 
-        self.optimizer = spec.build_optimizer_fn(model, cfg.optimizer)
+        self.optimizer = spec.build_optimizer_fn(model, cfg.optimizer, cfg.training.global_batch_size)
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, self.total_steps)
         self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps,
                                              flops_per_token(self.args, self.seq_len))
@@ -230,6 +230,7 @@ class Trainer:
         self.loader.start(self.step)
         while self.step < self.total_steps:
             record = self.train_step()
+            self.metrics.observe(record)
             self.step += 1
             self.sampler.step = self.step  # the data position a checkpoint records
             if self.step % cfg.metrics.log_freq == 0 or self.step == self.total_steps:
