@@ -6,9 +6,13 @@
   ("upper: abcd" -> ABCD: four-letter words, so each answer character sits at a fixed distance from its source
   and the 0.9M-parameter debug model learns it in ~200 steps on CPU. Mixing in a second task ("reverse: abcd",
   "next: abcd" -> bcde) kept the same model at chance on the answers for 300 steps, too long for a debug job);
-* titan_sft/assets/debug_data/packed/: train.jsonl packed at 256 tokens (python -m titan_sft.data.prepare).
+* titan_sft/assets/debug_data/packed/: train.jsonl packed at 256 tokens (python -m titan_sft.data.prepare);
+* titan_sft/assets/debug_data/diffusion/: the same task as prompt/answer splits for masked diffusion (EOS-padded to
+  32 tokens; 200 training rows held out for validation, heldout.jsonl as the test split);
+* titan_sft/assets/debug_base/ (with --base): the debug model after the causal debug job (250 steps, ~2 minutes),
+  exported in bfloat16: the "pretrained" base that train_configs/debug_diffusion.toml adapts with LoRA.
 
-Run: python scripts/make_debug_assets.py
+Run: python scripts/make_debug_assets.py [--base]
 """
 
 import json
@@ -72,6 +76,27 @@ def main() -> None:
     m["tokenizer"] = "titan_sft/assets/debug_tokenizer"
     m["inputs"] = ["titan_sft/assets/debug_data/train.jsonl"]
     (data / "packed" / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
+
+    from titan_sft.data.prepare_diffusion import prepare_diffusion
+
+    prepare_diffusion([str(data / "train.jsonl")], str(ROOT / "debug_tokenizer"), 32, str(data / "diffusion"),
+                      eos_pad=True, test=[str(data / "heldout.jsonl")], validation_size=200, overwrite=True)
+    if "--base" in sys.argv:
+        make_debug_base()
+
+
+def make_debug_base() -> None:
+    import subprocess
+    import tempfile
+
+    repo = ROOT.parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["./run_train.sh", "--job.dump_folder", tmp, "--checkpoint.hf_export_interval", "-1",
+                        "--validation.generation_eval_path", ""], cwd=repo, check=True)
+        shutil.rmtree(ROOT / "debug_base", ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "titan_sft.convert", "to-hf", "--checkpoint",
+                        f"{tmp}/checkpoints/step-249", "--out", str(ROOT / "debug_base"), "--dtype", "bfloat16"],
+                       cwd=repo, check=True)
 
 
 if __name__ == "__main__":
