@@ -498,3 +498,24 @@ def test_8b_diffusion_recipe_dry_runs():
     assert r.returncode == 0, r.stderr
     assert "LoRA: rank 64" in r.stdout and "unshifted (LLaDA)" in r.stdout
     assert "gradients 0.08 GiB, AdamW state 0.16 GiB" in r.stdout  # state for the adapters and norms only
+
+
+def test_lora_with_causal_lm(tmp_path):
+    """LoRA is a converter of its own: the causal recipe trains adapters too; the frozen embedding is exported
+    unchanged and the merged projections differ from the base."""
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+           "titan_sft.train", "--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "c"),
+           "--model.converters", "lora", "--model.init_from_hf", "true", "--model.hf_assets_path",
+           "titan_sft/assets/debug_base", "--training.steps", "3", "--checkpoint.hf_export_interval", "0",
+           "--validation.generation_eval_path", ""]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    base = load_file(str(ROOT / "titan_sft/assets/debug_base/model.safetensors"))
+    merged = load_file(str(tmp_path / "c" / "hf" / "step-2" / "model.safetensors"))
+    assert torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"].float())
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"].float())
+    assert (tmp_path / "c" / "adapters" / "step-2" / "adapter_model.safetensors").is_file()
