@@ -63,3 +63,24 @@ def test_float8_steps_on_gpu(tmp_path, recipe):
 def test_nccl_fsdp_x_tp(tmp_path):
     r = _train(4, "--parallelism.tp", "2", "--training.param_dtype", "bfloat16", "--job.dump_folder", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("attention", ["varlen", "flex"])
+def test_diffusion_lora_steps_on_gpu_match_sdpa(tmp_path, attention):
+    """The masked-diffusion debug job (bidirectional attention, LoRA) for a few fp32 steps: a GPU backend gives the
+    sdpa losses."""
+    import json
+
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    losses = {}
+    for backend in ("sdpa", attention):
+        dump = tmp_path / backend
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+               "titan_sft.train", "--config", "train_configs/debug_diffusion.toml", "--training.steps", "5",
+               "--model.attention", backend, "--validation.generation_every", "0", "--checkpoint.enable", "false",
+               "--checkpoint.hf_export_interval", "-1", "--metrics.log_freq", "1", "--job.dump_folder", str(dump)]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[backend] = [json.loads(x)["loss"] for x in (dump / "metrics.jsonl").read_text().splitlines()
+                           if json.loads(x)["split"] == "train"]
+    assert losses[attention] == pytest.approx(losses["sdpa"], rel=2e-3)
