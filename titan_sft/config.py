@@ -153,6 +153,8 @@ class Checkpoint:
     async_mode: Literal["disabled", "async"] = doc(
         "disabled", "async: stage the state in host memory and write it in the background")
     hf_export_dtype: Literal["bfloat16", "float32", "float16"] = doc("bfloat16", "dtype of HF exports")
+    write_threads: int = doc(4, "threads per rank writing a DCP checkpoint's files (1 serialises, writes and "
+                                "fsyncs one file at a time)")
     hf_max_shard_size_gb: float = doc(5.0, "largest safetensors file of an HF export, in GB")
     hf_generation_config: bool = doc(True, "write generation_config.json (EOS ids incl. the chat end-of-turn "
                                            "token, so vLLM stops at the end of a turn); false reproduces the "
@@ -441,6 +443,7 @@ def validate(cfg: JobConfig) -> None:
     need(c.hf_export_interval >= -1, "checkpoint.hf_export_interval", ">= 0 (0 = only at the end) or -1 (never)",
          c.hf_export_interval)
     need(c.temp_interval_minutes >= 0, "checkpoint.temp_interval_minutes", ">= 0 (0 disables)", c.temp_interval_minutes)
+    need(c.write_threads >= 1, "checkpoint.write_threads", ">= 1", c.write_threads)
     need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", ">= 0 (0 keeps all)", c.keep_latest_k)
     need(c.hf_max_shard_size_gb > 0, "checkpoint.hf_max_shard_size_gb", "> 0", c.hf_max_shard_size_gb)
     need(cfg.metrics.log_freq >= 1, "metrics.log_freq", ">= 1", cfg.metrics.log_freq)
