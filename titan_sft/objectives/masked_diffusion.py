@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from titan_sft.config import ConfigError, JobConfig
 from titan_sft.diffusion_sampler import GenerationValidator, end_token_ids
-from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.objectives import BatchError, Objective, Validator, Validators
 from titan_sft.registry import register_objective
