@@ -1,4 +1,5 @@
-"""Chunked vs naive cross-entropy (forward + backward): peak memory and time, side by side, ratios printed.
+"""Chunked vs naive cross-entropy (forward + backward), and the chunked loss eager vs compiled
+(``training.compile_loss``): peak memory and time, side by side, ratios printed.
 
     python benchmarks/bench_chunked_ce.py --tokens 8192 --hidden 2048 --vocab 151936 --runs 5
 
@@ -14,7 +15,7 @@ import sys
 import time
 
 
-def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str) -> dict:
+def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str, dtype: str) -> dict:
     import resource
 
     import torch
@@ -22,22 +23,27 @@ def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str
     from titan_sft.loss import chunked_cross_entropy_sum, naive_cross_entropy_sum
 
     torch.manual_seed(0)
-    h = torch.randn(n, d, device=device, requires_grad=True)
-    w = (torch.randn(v, d, device=device) * d**-0.5).requires_grad_()
+    dt = getattr(torch, dtype)
+    h = torch.randn(n, d, device=device).to(dt).requires_grad_()
+    w = (torch.randn(v, d, device=device) * d**-0.5).to(dt).requires_grad_()
     y = torch.randint(0, v, (n,), device=device)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
     times = []
-    for _ in range(runs):
+    for _ in range(runs + (variant == "compiled")):  # the compiled variant's first run compiles: not timed
         h.grad = w.grad = None
         t = time.perf_counter()
-        loss = naive_cross_entropy_sum(h, w, y) if variant == "naive" else chunked_cross_entropy_sum(h, w, y, chunk)
+        if variant == "naive":
+            loss = naive_cross_entropy_sum(h, w, y)
+        else:
+            loss = chunked_cross_entropy_sum(h, w, y, chunk, compiled=variant == "compiled")
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    times = times[variant == "compiled":]
     if device == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base_cuda) / 2**30
     else:
@@ -53,19 +59,22 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(one(a.child, a.tokens, a.hidden, a.vocab, a.chunk, a.runs, a.device)))
+        print(json.dumps(one(a.child, a.tokens, a.hidden, a.vocab, a.chunk, a.runs, a.device, a.dtype)))
         return
     res = {}
-    for variant in ("naive", "chunked"):
+    for variant in ("naive", "chunked", "compiled"):
         out = subprocess.run([sys.executable, __file__, "--child", variant, *sys.argv[1:]], capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]
         res[variant] = json.loads(out)
         print(f"{variant:8s} median {res[variant]['median_s']:.3f}s  peak extra memory {res[variant]['peak_extra_gib']:.2f} GiB")
     print(f"memory ratio naive/chunked: {res['naive']['peak_extra_gib'] / max(res['chunked']['peak_extra_gib'], 1e-9):.1f}x; "
           f"time ratio chunked/naive: {res['chunked']['median_s'] / res['naive']['median_s']:.2f}x")
+    print(f"compiled/eager chunked: time {res['compiled']['median_s'] / res['chunked']['median_s']:.2f}x, "
+          f"memory {res['compiled']['peak_extra_gib'] / max(res['chunked']['peak_extra_gib'], 1e-9):.2f}x")
 
 
 if __name__ == "__main__":

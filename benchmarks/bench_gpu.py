@@ -5,7 +5,7 @@ bf16 compute with fp32 master weights, chunked loss. One GPU.
     python benchmarks/bench_gpu.py --matrix --out gpu_check.json --table gpu_check.md   # gpu_check.sh's cases
 
 ``--matrix`` runs the comparison of benchmarks/gpu_check.sh at 8k: bf16 vs float8 rowwise/tensorwise, compile on
-and off, activation checkpointing modes, and attention varlen vs flex vs flash_varlen.
+and off (blocks, and the loss), activation checkpointing modes, and attention varlen vs flex vs flash_varlen.
 
 Writes a synthetic packed dataset (random tokens, documents of random length, all positions loss-carrying),
 runs ``python -m titan_sft.train`` for ``--steps`` steps per case, and prints the median tokens/s per GPU, MFU
@@ -59,6 +59,8 @@ MATRIX = [
     ("4B float8 tensorwise compile varlen", "4B", ["--training.compile", "true", "--model.attention", "varlen",
                                                    "--training.float8", "true", "--training.float8_recipe", "tensorwise",
                                                    "--training.skip_startup_checks", "true"]),
+    ("4B bf16 compile+loss varlen AC full", "4B", ["--training.compile", "true", "--model.attention", "varlen",
+                                                  "--training.compile_loss", "true"]),
     ("4B bf16 eager varlen", "4B", ["--model.attention", "varlen"]),
     ("1.7B bf16 compile flex", "1.7B", ["--training.compile", "true", "--model.attention", "flex"]),
     ("1.7B bf16 compile flash_varlen", "1.7B", ["--training.compile", "true", "--model.attention", "flash_varlen"]),

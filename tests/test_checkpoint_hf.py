@@ -136,3 +136,38 @@ def test_auto_resume_skips_partial_and_damaged(tmp_path):
     straight = run(1, tmp_path / "straight", "--training.steps", "6", "--checkpoint.interval", "2")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in straight[4:]]
+
+
+def test_checkpoint_writes_a_tied_head_once_and_no_crc(tmp_path, monkeypatch):
+    """DCP would write a tied head twice (one copy per key) and run torch.save's CRC32 over every byte, which
+    nothing reads; the checkpointer's model state and writer skip both, and the state loads back whole."""
+    import torch.distributed.checkpoint as dcp
+
+    from titan_sft.checkpoint import _CrcFreeWriter, model_state, tied_aliases, with_aliases
+
+    model = debug_model(tied=True)
+    assert tied_aliases(model) == {"output.weight": "tok_embeddings.weight"}
+    assert tied_aliases(debug_model(tied=False)) == {}
+    crc_at_save = []
+    real_save = torch.save
+
+    def spy(*a, **k):
+        crc_at_save.append(torch.serialization.get_crc32_options())
+        return real_save(*a, **k)
+
+    monkeypatch.setattr(torch, "save", spy)
+    dcp.save({"model": model_state(model)}, storage_writer=_CrcFreeWriter(str(tmp_path / "c"), thread_count=2),
+             no_dist=True)
+    assert len(crc_at_save) == len(model_state(model)) and not any(crc_at_save)
+    assert torch.serialization.get_crc32_options()  # restored after the write
+    keys = {i.fqn for i in dcp.FileSystemReader(str(tmp_path / "c")).read_metadata().storage_data}
+    assert "model.tok_embeddings.weight" in keys and "model.output.weight" not in keys
+
+    fresh = build_model(QWEN3_FLAVORS["debug"], device="cpu")
+    fresh.init_weights()
+    state = {"model": model_state(fresh)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    fresh.load_state_dict(with_aliases(fresh, state["model"]))
+    assert fresh.output.weight is fresh.tok_embeddings.weight
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n

@@ -111,7 +111,8 @@ def test_activation_checkpointing_compile_and_float8_paths(tmp_path):
     for mode in ("full", "selective", "every_n"):  # recomputation changes nothing
         ac = run(1, tmp_path / mode, *steps, "--training.activation_checkpoint", mode)
         assert [r["loss"] for r in ac] == [r["loss"] for r in plain], mode
-    comp = run(1, tmp_path / "compile", *steps, "--training.compile", "true")  # fullgraph: a graph break fails
+    comp = run(1, tmp_path / "compile", *steps, "--training.compile", "true",  # fullgraph: a graph break fails
+               "--training.compile_loss", "true")
     for a, b in zip(comp, plain):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
     f8 = run(1, tmp_path / "f8", *steps, "--training.float8", "true")  # emulated on CPU

@@ -105,6 +105,8 @@ class Training:
                 "or whole blocks, every ac_every_n-th one (every_n)")
     ac_every_n: int = doc(2, "with activation_checkpoint = every_n: checkpoint blocks 0, n, 2n, ...")
     compile: bool = doc(False, "torch.compile each transformer block (fullgraph: a graph break is an error)")
+    compile_loss: bool = doc(False, "torch.compile the loss's per-chunk softmax/cross-entropy math (fuses its "
+                                    "passes over the [chunk, vocab] logits; the head's matmuls are unchanged)")
     float8: bool = doc(False, "float8 matmuls in the blocks (torchao; SM >= 8.9, else bf16; emulated on CPU)")
     float8_backend: Literal["torchao", "te"] = doc(
         "torchao", "float8 implementation: torchao, or Transformer Engine linears (te; SM 8.9 / 9.0+, pip install "

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titan_sft.checkpoint import read_meta
+from titan_sft.checkpoint import model_state, read_meta
 from titan_sft.config import ConfigError, JobConfig, _set
 from titan_sft.hf_io import export_hf, model_args, read_hf_config
 from titan_sft.models import build_model, load_hf
@@ -57,7 +56,7 @@ def model_from_checkpoint(checkpoint: str | Path):
     if "lora" in cfg.model.converters:
         apply_lora(model, cfg)
     model.to_empty(device="cpu")
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": model_state(model)}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
     return model.eval(), cfg, spec, args
@@ -92,7 +91,7 @@ def from_hf(hf: str, out: str, model_name: str | None = None, flavor: str | None
     out_dir = Path(out)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp), no_dist=True)
+    dcp.save({"model": model_state(model)}, checkpoint_id=str(tmp), no_dist=True)
     cfg = JobConfig()
     cfg.model.name, cfg.model.hf_assets_path, cfg.model.init_from_hf = spec.name, str(hf), True
     if flavor:

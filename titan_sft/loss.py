@@ -9,6 +9,8 @@ the same three matmuls as the unchunked loss, and nothing is recomputed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,43 @@ def _accumulate_chunk_grads(g, weight, hc, grad_h, grad_w, start: int, chunk_siz
             grad_w.addmm_(g.t(), hc)
         else:
             grad_w += (g.t() @ hc).float()
+
+
+def _ce_chunk(logits: torch.Tensor, target: torch.Tensor, wc: torch.Tensor):
+    """One chunk's weighted CE sum and d(loss)/d(logits) = wc * (softmax - onehot(target)) in the logits' dtype.
+
+    Written out of place for torch.compile, which fuses the passes over the [chunk, vocab] block (upcast, max, sum
+    of exponentials, the gradient and its downcast) so no fp32 copy of bf16 logits is materialised.
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    target_logit = x.gather(1, target[:, None]).squeeze(1)
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == target[:, None]
+    g = (torch.exp(x - lse[:, None]) - onehot.float()) * wc[:, None]
+    return ((lse - target_logit) * wc).sum(), g.to(logits.dtype)
+
+
+def _ce_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, has_target: torch.Tensor,
+             wc: torch.Tensor) -> torch.Tensor:
+    """d(loss)/d(logits) from a (globally reduced) logsumexp, for a vocabulary slice that may not hold the
+    target (loss parallel); the compiled counterpart of the in-place steps in :class:`_VocabParallelCrossEntropy`."""
+    x = logits.float()
+    onehot = (torch.arange(x.shape[1], device=x.device)[None, :] == target[:, None]) & has_target[:, None]
+    return ((torch.exp(x - lse[:, None]) - onehot.float()) * wc[:, None]).to(logits.dtype)
+
+
+def _tp_partial_sums(logits: torch.Tensor, row_max: torch.Tensor, target: torch.Tensor,
+                     has_target: torch.Tensor) -> torch.Tensor:
+    """[2, n]: this vocabulary slice's sum of exp(logit - global max), and the target's logit where it lives here
+    (else 0); summed across the tp ranks they give the logsumexp and the target logit."""
+    x = logits.float()
+    target_logit = torch.where(has_target, x.gather(1, target[:, None]).squeeze(1), 0.0)
+    return torch.stack([torch.exp(x - row_max[:, None]).sum(dim=-1), target_logit])
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, fullgraph=True)
 
 
 class _ChunkedLossBase(torch.autograd.Function):
@@ -47,7 +86,7 @@ class _ChunkedLossBase(torch.autograd.Function):
 
 class _ChunkedLinearCrossEntropy(_ChunkedLossBase):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size: int):
+    def forward(ctx, hidden, weight, labels, weights, chunk_size: int, compiled: bool = False):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         w_all = None if weights is None else weights.reshape(-1).float()
@@ -57,9 +96,14 @@ class _ChunkedLinearCrossEntropy(_ChunkedLossBase):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, h.shape[0], chunk_size):
             hc, yc = h[start : start + chunk_size], y[start : start + chunk_size]
-            logits = F.linear(hc, weight).float()
             valid = yc != IGNORE_INDEX
             wc = valid.float() if w_all is None else w_all[start : start + chunk_size] * valid
+            if compiled and (need_h or need_w):
+                loss, g = _compiled(_ce_chunk)(F.linear(hc, weight), yc.clamp(min=0), wc)
+                total += loss
+                _accumulate_chunk_grads(g, weight, hc, grad_h, grad_w, start, chunk_size)
+                continue
+            logits = F.linear(hc, weight).float()
             lse = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, yc.clamp(min=0)[:, None]).squeeze(1)
             total += ((lse - target_logit) * wc).sum()
@@ -81,6 +125,7 @@ def chunked_cross_entropy_sum(
     chunk_size: int = 4096,
     weights: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Sum of (optionally weighted) token cross-entropies of ``hidden @ weight.T`` against ``labels``, in fp32.
 
@@ -92,6 +137,8 @@ def chunked_cross_entropy_sum(
         weights: optional [...] per-token fp32 weights (the loss-group normalisation: 1 / (G * N_group)).
         rows: optional long [n]: apply the head only at these positions of the flattened ``hidden`` (masked
             diffusion scores masked positions alone); ``labels`` and ``weights`` are then [n].
+        compiled: run each chunk's softmax/cross-entropy math through torch.compile (``training.compile_loss``);
+            the head's matmuls are the same either way.
 
     Returns:
         fp32 scalar; its gradients equal those of the unchunked ``F.cross_entropy(..., reduction="sum")``.
@@ -100,10 +147,10 @@ def chunked_cross_entropy_sum(
     from torch.distributed.tensor import DTensor
 
     if isinstance(weight, DTensor):
-        return vocab_parallel_cross_entropy_sum(hidden, weight, labels, chunk_size, weights, rows)
+        return vocab_parallel_cross_entropy_sum(hidden, weight, labels, chunk_size, weights, rows, compiled)
     if rows is not None:
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_size, compiled)
 
 
 def naive_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -121,7 +168,7 @@ class _VocabParallelCrossEntropy(_ChunkedLossBase):
     to the sequence shards)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size: int, offset: int, group):
+    def forward(ctx, hidden, weight, labels, weights, chunk_size: int, offset: int, group, compiled: bool = False):
         import torch.distributed as dist
 
         h = hidden.reshape(-1, hidden.shape[-1])
@@ -134,21 +181,31 @@ class _VocabParallelCrossEntropy(_ChunkedLossBase):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, h.shape[0], chunk_size):
             hc, yc = h[start : start + chunk_size], y[start : start + chunk_size]
-            logits = F.linear(hc, weight).float()
+            raw = F.linear(hc, weight)
             valid = yc != IGNORE_INDEX
             wc = valid.float() if w_all is None else w_all[start : start + chunk_size] * valid
             local_t = yc - offset
             mine = valid & (local_t >= 0) & (local_t < v_local)  # the target's logit lives on this rank
             local_t = local_t.clamp(0, v_local - 1)
-            target_logit = torch.where(mine, logits.gather(1, local_t[:, None]).squeeze(1), 0.0)
-            row_max = logits.max(dim=-1).values
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            probs = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk buffer per rank
-            sums = torch.stack([probs.sum(dim=-1), target_logit])
+            if compiled:  # the logits stay in the head's dtype; compiled kernels read them, no fp32 copy
+                row_max = raw.amax(dim=-1).float()
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+                sums = _compiled(_tp_partial_sums)(raw, row_max, local_t, mine)
+            else:
+                logits = raw.float()
+                target_logit = torch.where(mine, logits.gather(1, local_t[:, None]).squeeze(1), 0.0)
+                row_max = logits.max(dim=-1).values
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+                probs = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk buffer per rank
+                sums = torch.stack([probs.sum(dim=-1), target_logit])
             dist.all_reduce(sums, group=group)
             lse = row_max + sums[0].log()
             total += ((lse - sums[1]) * wc).sum()
             if not (need_h or need_w):
+                continue
+            if compiled:
+                g = _compiled(_ce_grad)(raw, lse, local_t, mine, wc)
+                _accumulate_chunk_grads(g, weight, hc, grad_h, grad_w, start, chunk_size)
                 continue
             g = probs.div_(sums[0][:, None])  # softmax restricted to this rank's vocabulary slice
             rows = mine.nonzero().squeeze(1)
@@ -161,13 +218,13 @@ class _VocabParallelCrossEntropy(_ChunkedLossBase):
 
 def vocab_parallel_cross_entropy_sum(hidden, weight, labels: torch.Tensor, chunk_size: int = 4096,
                                      weights: torch.Tensor | None = None,
-                                     rows: torch.Tensor | None = None) -> torch.Tensor:
+                                     rows: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
     """:func:`chunked_cross_entropy_sum` under tensor parallelism (loss parallel).
 
     Args:
         hidden: DTensor [..., dim] on the tp mesh (sequence-sharded or replicated).
         weight: DTensor [vocab, dim] sharded on the vocabulary (``Shard(0)``) on the same mesh.
-        labels, chunk_size, weights, rows: as for :func:`chunked_cross_entropy_sum` (plain tensors, the full rows).
+        labels, chunk_size, weights, rows, compiled: as for :func:`chunked_cross_entropy_sum` (plain tensors, the full rows).
 
     Returns:
         fp32 scalar, the same on every tp rank.
@@ -182,4 +239,4 @@ def vocab_parallel_cross_entropy_sum(hidden, weight, labels: torch.Tensor, chunk
     vocab, tp = weight.shape[0], mesh.size()
     offset = mesh.get_local_rank() * -(-vocab // tp)  # Shard(0) splits like torch.chunk: earlier ranks get ceil
     return _VocabParallelCrossEntropy.apply(h, weight.to_local(), labels, weights, chunk_size, offset,
-                                            mesh.get_group())
+                                            mesh.get_group(), compiled)

@@ -45,6 +45,7 @@ class CausalLM(Objective):
         t = cfg.training
         self.n_groups, self.global_batch, self.chunk = t.loss_groups, t.global_batch_size, t.loss_chunk_size
         self.reset_positions = cfg.model.reset_positions_per_document
+        self.compile_loss = t.compile_loss
         self.counts = torch.zeros(self.n_groups, dtype=torch.float64)
 
     def collate(self, packs: list, groups: list[int], keys: list[int] | None = None) -> Microbatch:
@@ -82,7 +83,8 @@ class CausalLM(Objective):
         weights = group_weights(mb.labels, mb.groups, self.counts, self.n_groups)
         # model.output.weight is the unsharded head here (FSDP does not reshard the root after forward); under
         # tensor parallel it is vocab-sharded and the loss runs on vocab slices (loss parallel).
-        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights)
+        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights,
+                                         compiled=self.compile_loss)
 
     def step_metrics(self) -> dict:
         return {"n_loss_tokens": int(self.counts.sum().item())}

@@ -165,7 +165,7 @@ class MaskedDiffusion(Objective):
     def __init__(self, cfg: JobConfig):
         super().__init__(cfg)
         o = cfg.objective
-        self.chunk = cfg.training.loss_chunk_size
+        self.chunk, self.compile_loss = cfg.training.loss_chunk_size, cfg.training.compile_loss
         self.per_example = o.normalization == "per_example"
         self.mask_id = o.mask_token_id  # resolved by setup()
         self.denoms = torch.ones(2, dtype=torch.float64)
@@ -210,7 +210,8 @@ class MaskedDiffusion(Objective):
 
     def masked_ce(self, model, hidden, mb: DiffusionMicrobatch, weights: torch.Tensor) -> torch.Tensor:
         """Sum over the masked positions of weight x CE; the head runs at those positions only."""
-        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.targets, self.chunk, weights, rows=mb.rows)
+        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.targets, self.chunk, weights, rows=mb.rows,
+                                         compiled=self.compile_loss)
 
     def loss(self, model: torch.nn.Module, mb: DiffusionMicrobatch) -> torch.Tensor:
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
