@@ -3,21 +3,27 @@
 
     python benchmarks/bench_chunked_ce.py --tokens 8192 --hidden 2048 --vocab 151936 --runs 5
 
-Peak memory is measured as the peak RSS growth of a fresh subprocess per variant (CPU), or
-torch.cuda.max_memory_allocated on GPU.
+Peak memory is the peak RSS growth during the timed runs of a fresh subprocess per variant (CPU; the compiled
+variant's first, compiling call is excluded), or torch.cuda.max_memory_allocated on GPU.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 
 
-def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str, dtype: str) -> dict:
-    import resource
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
+
+def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str, dtype: str) -> dict:
     import torch
 
     from titan_sft.loss import chunked_cross_entropy_sum, naive_cross_entropy_sum
@@ -27,14 +33,9 @@ def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str
     h = torch.randn(n, d, device=device).to(dt).requires_grad_()
     w = (torch.randn(v, d, device=device) * d**-0.5).to(dt).requires_grad_()
     y = torch.randint(0, v, (n,), device=device)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base_cuda = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(runs + (variant == "compiled")):  # the compiled variant's first run compiles: not timed
+
+    def step():
         h.grad = w.grad = None
-        t = time.perf_counter()
         if variant == "naive":
             loss = naive_cross_entropy_sum(h, w, y)
         else:
@@ -42,12 +43,26 @@ def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    times = times[variant == "compiled":]
+
+    if variant == "compiled":  # the first call compiles: neither timed nor counted in the peak
+        step()
+        h.grad = w.grad = None
     if device == "cuda":
-        peak = (torch.cuda.max_memory_allocated() - base_cuda) / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     else:
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20
+        with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark (VmHWM) to the current RSS
+            f.write("5")
+        base = _status_kib("VmRSS")
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    if device == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    else:
+        peak = (_status_kib("VmHWM") - base) / 2**20
     return {"variant": variant, "median_s": statistics.median(times), "peak_extra_gib": peak}
 
 
@@ -67,8 +82,10 @@ def main() -> None:
         return
     res = {}
     for variant in ("naive", "chunked", "compiled"):
+        # a fixed mmap threshold: glibc returns freed chunk buffers to the OS, so RSS peaks are comparable
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         out = subprocess.run([sys.executable, __file__, "--child", variant, *sys.argv[1:]], capture_output=True,
-                             text=True, check=True).stdout.strip().splitlines()[-1]
+                             text=True, check=True, env=env).stdout.strip().splitlines()[-1]
         res[variant] = json.loads(out)
         print(f"{variant:8s} median {res[variant]['median_s']:.3f}s  peak extra memory {res[variant]['peak_extra_gib']:.2f} GiB")
     print(f"memory ratio naive/chunked: {res['naive']['peak_extra_gib'] / max(res['chunked']['peak_extra_gib'], 1e-9):.1f}x; "
