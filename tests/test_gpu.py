@@ -65,6 +65,17 @@ def test_nccl_fsdp_x_tp(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP 2 needs 2 GPUs")
+def test_float8_tensorwise_tp_all_gathers_in_float8(tmp_path):
+    """torchao's float8 TP styles (float8_tp_plan) over NCCL: float8 all-gathers of the activations run."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs SM 8.9+")
+    common = ["--parallelism.tp", "2", "--training.float8", "true", "--training.float8_recipe", "tensorwise",
+              "--training.skip_startup_checks", "true", "--training.param_dtype", "bfloat16"]
+    r = _train(2, *common, "--job.dump_folder", str(tmp_path / "f8tp"))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("attention", ["varlen", "flex"])
 def test_diffusion_lora_steps_on_gpu_match_sdpa(tmp_path, attention):
     """The masked-diffusion debug job (bidirectional attention, LoRA) for a few fp32 steps: a GPU backend gives the

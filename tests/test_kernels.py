@@ -86,6 +86,60 @@ def test_float8_converts_block_linears_with_dims_of_16_only(recipe):
     assert type(model.output).__name__ == "Linear" and type(model.layers["0"].feed_forward.w1).__name__ == "Linear"
 
 
+def test_float8_tp_plan_uses_float8_styles_for_converted_linears_and_runs(tmp_path):
+    """Tensor-wise float8 + TP: torchao's float8 styles replace the plain ones exactly where the block's linears
+    are float8 (an input preparation only when every projection it feeds is), and the plan runs: on a 1-rank tp
+    mesh (gloo; a real gather of float8 needs NCCL, see test_gpu.py) it gives the non-TP float8 forward and
+    gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_sft.converters import apply_float8
+    from titan_sft.parallel.tensor_parallel import apply_tp, float8_tp_plan
+
+    spec = get_train_spec("qwen3")
+    args = dataclasses.replace(DEBUG, n_layers=2, ffn_dim=200)  # 200: the MLP stays high precision
+
+    def build():
+        torch.manual_seed(0)
+        m = build_model(args, device="cpu")
+        m.init_weights()
+        apply_float8(m, "tensorwise", emulate=True)
+        return m
+
+    model = build()
+    _, block = float8_tp_plan(spec.tp_plan_fn(), model.layers["0"])
+    kinds = {fqn: type(style).__name__ for fqn, style in block.items()}
+    assert kinds["attention"] == "PrepareFloat8ModuleInput"
+    assert [kinds[f"attention.{w}"] for w in ("wq", "wk", "wv", "wo")] == ["Float8ColwiseParallel"] * 3 + [
+        "Float8RowwiseParallel"]
+    assert [kinds[f] for f in ("feed_forward", "feed_forward.w1", "feed_forward.w2")] == [
+        "PrepareModuleInput", "ColwiseParallel", "RowwiseParallel"]
+    assert kinds["attention_norm"] == "SequenceParallel"
+
+    x = torch.randint(0, args.vocab_size, (2, 32))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        results = []
+        for tp in (False, True):
+            m = build()
+            if tp:
+                apply_tp(m, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)),
+                         float8_tp_plan(spec.tp_plan_fn(), m.layers["0"]))
+            h = m(x, hidden_only=True)
+            h = h.full_tensor() if hasattr(h, "full_tensor") else h
+            h.float().pow(2).sum().backward()
+            grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                     for p in m.layers["0"].attention.parameters()]
+            results.append((h.detach(), grads))
+        (h0, g0), (h1, g1) = results
+        assert (h0 - h1).abs().max() <= 1e-5 * h0.abs().max()
+        for a, b in zip(g0, g1):
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_transformer_engine_gate_outcomes(monkeypatch, caplog):
     """Capability and library presence mocked: bf16 with one notice, a stop with the install command, or TE."""
     import importlib.util

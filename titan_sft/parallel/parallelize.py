@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
-from titan_sft.parallel.tensor_parallel import TPPlan, apply_tp
+from titan_sft.parallel.tensor_parallel import TPPlan, apply_tp, float8_tp_plan
 from titan_sft.registry import get_converter
 
 
@@ -112,6 +112,8 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     for name in (["float8"] if t.float8 else []) + list(cfg.model.converters):
         get_converter(name)(model, cfg, device)
     if mesh["tp"].size() > 1:
+        if t.float8 and t.float8_backend == "torchao" and t.float8_recipe == "tensorwise" and device.type == "cuda":
+            tp_plan = float8_tp_plan(tp_plan, next(iter(model.layers.values())))
         apply_tp(model, mesh["tp"], tp_plan)
     if t.activation_checkpoint != "none":
         dropout = "lora" in cfg.model.converters and cfg.lora.dropout > 0
