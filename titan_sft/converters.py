@@ -7,9 +7,13 @@ its own module, imported here so that ``get_converter("lora")`` finds it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titan_sft.config import JobConfig
@@ -101,7 +105,7 @@ def apply_te_float8(model: nn.Module) -> list[str]:
         contexts = {}
 
         def enter(mod, args, _contexts=contexts):
-            _contexts[id(mod)] = ctx = te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+            _contexts[id(mod)] = ctx = te.fp8_autocast(enabled=_FLOAT8_ON.get(), fp8_recipe=recipe)
             ctx.__enter__()
 
         def leave(mod, args, output, _contexts=contexts):
@@ -110,6 +114,37 @@ def apply_te_float8(model: nn.Module) -> list[str]:
         block.register_forward_pre_hook(enter)
         block.register_forward_hook(leave)
     return converted
+
+
+_FLOAT8_ON = contextvars.ContextVar("titan_sft_float8_on", default=True)  # read by the TE blocks' fp8_autocast
+
+
+def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    if hasattr(weight, "to_original_precision"):  # gathered in float8 (tensorwise FSDP all-gather): dequantised
+        weight = weight.to_original_precision()
+    return F.linear(x, weight, self.bias)
+
+
+@contextlib.contextmanager
+def high_precision_matmuls(model: nn.Module):
+    """Inside, float8-converted linears compute in the model's compute dtype (bf16), as if never converted.
+
+    Validation and generation run in it, so their metrics do not depend on the training precision (the masked
+    diffusion spec: "validation stays bf16"). torchao's ``Float8Linear`` gets a plain linear forward for the
+    duration; Transformer Engine blocks enter ``fp8_autocast(enabled=False)``. Weights that FSDP all-gathered in
+    float8 (tensorwise on GPU) arrive quantised and are dequantised, not re-gathered.
+    """
+    swapped = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    for m in swapped:
+        m.forward = types.MethodType(_high_precision_forward, m)
+    token = _FLOAT8_ON.set(False)
+    try:
+        yield
+    finally:
+        _FLOAT8_ON.reset(token)
+        for m in swapped:
+            del m.forward
 
 
 def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:

@@ -23,6 +23,7 @@ import torch
 from titan_sft.atomic import atomic_write_text
 from titan_sft.checkpoint import run_folder
 from titan_sft.config import ConfigError, JobConfig, check_tensor_parallel, check_vocab, config_help, load_config
+from titan_sft.converters import high_precision_matmuls
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
 from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
@@ -237,9 +238,11 @@ class Trainer:
                 self.metrics.log(record)
             self.checkpointer.maybe_save(self.step, self.total_steps)
             self.checkpointer.maybe_export(self.step, self.total_steps)
-            for rec in self.validator.maybe_validate(self.step, self.total_steps, self.model,
-                                                     self.checkpointer) if self.validator else []:
-                self.metrics.log(rec)
+            if self.validator:
+                with high_precision_matmuls(self.model):  # validation stays bf16 when training in float8
+                    records = self.validator.maybe_validate(self.step, self.total_steps, self.model, self.checkpointer)
+                for rec in records:
+                    self.metrics.log(rec)
             planned_stop = self.step == cfg.training.stop_at_step and self.step < self.total_steps
             if any_rank(self.stop_signal is not None) or planned_stop:  # every rank stops at the same step
                 if cfg.checkpoint.enable:
