@@ -497,7 +497,8 @@ def test_8b_diffusion_recipe_dry_runs():
                         "--dry-run", "--model.init_from_hf", "false"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "LoRA: rank 64" in r.stdout and "unshifted (LLaDA)" in r.stdout
-    assert "gradients 0.08 GiB, AdamW state 0.16 GiB" in r.stdout  # state for the adapters and norms only
+    # state for the adapters and norms only; the frozen base stored in bf16 (8.19B x 2 bytes / 8 ranks + adapters)
+    assert "parameters 1.99 GiB, gradients 0.08 GiB, AdamW state 0.16 GiB" in r.stdout
 
 
 def test_lora_with_causal_lm(tmp_path):
@@ -519,3 +520,43 @@ def test_lora_with_causal_lm(tmp_path):
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"].float())
     assert (tmp_path / "c" / "adapters" / "step-2" / "adapter_model.safetensors").is_file()
+
+
+def test_frozen_base_stored_in_bf16_gives_the_same_numbers(one_rank_group):
+    """With bf16 compute, LoRA's frozen base is stored in bf16 (half the memory; FSDP casts fp32 storage to bf16
+    for every forward anyway): loss and adapter gradients are bit-identical to fp32 storage."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_sft.config import JobConfig
+    from titan_sft.lora import apply_lora
+    from titan_sft.parallel.parallelize import apply_fsdp, store_frozen_params
+
+    cfg = JobConfig()
+    cfg.model.converters = ["lora"]
+    base = _model(causal=True)
+    apply_lora(base, cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    fp32_store, bf16_store = base, copy.deepcopy(base)
+    frozen = sum(p.numel() for p in base.parameters() if not p.requires_grad)
+    assert store_frozen_params(bf16_store, torch.bfloat16) == frozen > 0
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randint(0, 280, (2, 24), generator=g)
+    results = []
+    for m in (fp32_store, bf16_store):
+        apply_fsdp(m, mesh, torch.bfloat16, torch.float32)
+        loss = m(x).float().logsumexp(-1).mean()
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in m.named_parameters() if p.requires_grad}
+        dtypes = {p.to_local().dtype for p in m.parameters() if not p.requires_grad}
+        results.append((loss.item(), grads, dtypes))
+    (l0, g0, d0), (l1, g1, d1) = results
+    assert (d0, d1) == ({torch.float32}, {torch.bfloat16})
+    assert l0 == l1 and g0.keys() == g1.keys() and len(g0) > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n

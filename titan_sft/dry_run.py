@@ -30,8 +30,9 @@ def planned_world_size(cfg: JobConfig) -> int:
     return p.dp_replicate * max(p.dp_shard, 1) * p.tp
 
 
-def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int) -> dict[str, float]:
-    """Bytes per rank of fp32 parameters, fp32 gradients and AdamW state (2 fp32 tensors) for the layout.
+def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen_bytes: int = 4) -> dict[str, float]:
+    """Bytes per rank of parameters (trainable ones fp32, frozen ones ``frozen_bytes`` each: bf16 when the compute
+    dtype is, see ``parallelize.store_frozen_params``), fp32 gradients and AdamW state (2 fp32 tensors).
 
     Parameters under a column-/row-wise style of the tensor-parallel plan are split tp ways (norm weights are
     replicated); FSDP splits everything dp_shard ways. ``deferred_grads``: the whole (unsharded over dp) fp32
@@ -50,7 +51,7 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int) -> dic
     sizes = [(p.numel() / (tp if tp > 1 and is_split(n) else 1), p.requires_grad) for n, p in model.named_parameters()]
     per_tp = sum(n for n, _ in sizes)
     trained = sum(n for n, g in sizes if g)
-    return {"params": 4 * per_tp / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
+    return {"params": (4 * trained + frozen_bytes * (per_tp - trained)) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
             "deferred_grads": 4 * trained}
 
 
@@ -143,7 +144,7 @@ def dry_run(cfg: JobConfig) -> str:
     dp_rep, dp_shard, tp = check_layout(cfg, world)
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
     plan = spec.tp_plan_fn()
-    mem = memory_per_rank(model, plan, dp_shard, tp)
+    mem = memory_per_rank(model, plan, dp_shard, tp, 2 if cfg.training.param_dtype == "bfloat16" else 4)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
     layout = [
         f"mesh: dp_replicate {dp_rep} x dp_shard {dp_shard} x tp {tp} = {world} ranks"

@@ -77,6 +77,22 @@ def apply_compile(model: nn.Module) -> None:
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
 
+def store_frozen_params(model: nn.Module, dtype: torch.dtype) -> int:
+    """Stores the frozen floating-point parameters (LoRA's base model) in ``dtype``; returns how many elements.
+
+    Called with the compute dtype: FSDP casts every parameter to it for forward anyway, so the numbers are the same
+    as with fp32 storage, and a frozen parameter has no gradient or optimizer state that would want fp32. It halves
+    the base model's memory (Qwen3-8B: 32.8 -> 16.4 GB across the FSDP ranks). FSDP only requires a uniform dtype
+    among trainable parameters.
+    """
+    n = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            n += p.numel()
+    return n
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output head).
 
@@ -111,6 +127,8 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     # styles shard it; converting after TP would drop the TP hooks with the replaced module.
     for name in (["float8"] if t.float8 else []) + list(cfg.model.converters):
         get_converter(name)(model, cfg, device)
+    if t.param_dtype == "bfloat16":
+        store_frozen_params(model, torch.bfloat16)
     if mesh["tp"].size() > 1:
         if t.float8 and t.float8_backend == "torchao" and t.float8_recipe == "tensorwise" and device.type == "cuda":
             tp_plan = float8_tp_plan(tp_plan, next(iter(model.layers.values())))
