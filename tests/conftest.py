@@ -48,3 +48,8 @@ def save_tiny_hf(kind: str, path) -> "torch.nn.Module":
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
+
+# Every trainer a test starts (in-process or through torchrun, which inherits the environment) marks tensors a GPU
+# run would leave on the host, so a collective on one fails here as it would under NCCL
+# (titan_sft.parallel.comm). Numbers are unchanged by it.
+os.environ.setdefault("TITAN_SFT_CHECK_COLLECTIVE_DEVICES", "1")

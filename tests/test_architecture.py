@@ -167,12 +167,22 @@ def _train(dump, *overrides, env_extra=None):
 
 
 @pytest.mark.slow
-def test_debug_loss_curve_is_bit_identical_to_before_the_objective_split(tmp_path):
-    """The first 20 steps of the debug job (fp32), recorded on main before the loss left the model."""
+def test_debug_loss_curve_matches_the_one_recorded_before_the_objective_split(tmp_path):
+    """The first 20 steps of the debug job (fp32) against values recorded on main before the loss left the model.
+
+    Recorded values come from one CPU; another CPU's kernels (AVX-512 vs AVX2 reductions) round the fp32 forward
+    differently, about 1e-7 relative at step 1 (6.1540656 vs 6.1540651 measured), and Adam carries that along.
+    The tolerances (step 1: 1e-6; later steps: 1e-4 for losses, 1e-3 for grad norms) hold across CPUs and still
+    catch what this test is for: a change of labels, masks or loss normalisation moves step 1 by more than 1e-3.
+    Bit-equality is checked where it belongs, between two runs of one checkout on one machine (resume tests,
+    and the doubled objective below)."""
     before = json.loads((ROOT / "tests" / "data" / "debug_losses_before_objectives.json").read_text())
     records = _train(tmp_path / "run", "--training.stop_at_step", "20")
-    assert [r["loss"] for r in records] == before["losses"]
-    assert [r["grad_norm"] for r in records] == before["grad_norms"]
+    losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+    assert losses[0] == pytest.approx(before["losses"][0], rel=1e-6)
+    assert norms[0] == pytest.approx(before["grad_norms"][0], rel=1e-6)
+    assert losses == pytest.approx(before["losses"], rel=1e-4)
+    assert norms == pytest.approx(before["grad_norms"], rel=1e-3)
 
 
 @pytest.mark.slow
@@ -187,12 +197,12 @@ def test_custom_objective_registered_from_outside_the_package(tmp_path):
         "        return 2 * super().loss(model, mb)\n\n"
         "register_objective('doubled_ce', DoubledCE)\n"
     )
-    before = json.loads((ROOT / "tests" / "data" / "debug_losses_before_objectives.json").read_text())
+    plain = _train(tmp_path / "plain", "--training.stop_at_step", "1")  # same checkout, same machine
     records = _train(tmp_path / "run", "--training.stop_at_step", "3", "--job.custom_imports", "my_objective",
                      "--objective.name", "doubled_ce", env_extra={"PYTHONPATH": str(plugin.parent)})
     assert [r["step"] for r in records] == [1, 2, 3]
     # scaling by 2 is exact in floating point: the first step's loss and gradient norm are exactly doubled
-    assert records[0]["loss"] == 2 * before["losses"][0]
-    assert records[0]["grad_norm"] == 2 * before["grad_norms"][0]
+    assert records[0]["loss"] == 2 * plain[0]["loss"]
+    assert records[0]["grad_norm"] == 2 * plain[0]["grad_norm"]
     resolved = json.loads((tmp_path / "run" / "resolved_config.json").read_text())
     assert resolved["objective"]["name"] == "doubled_ce"

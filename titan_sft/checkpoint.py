@@ -270,15 +270,19 @@ class CheckpointManager:
         if meta["kind"] == "regular":
             self._prune()
 
-    def poll(self) -> None:
-        """Finishes a pending async save as soon as every rank's write is done (called once per step), so its
-        group and staging thread are released well before the next save."""
-        if self._pending is None or self._pending[0] is None:
-            return
-        done = torch.tensor(float(self._pending[0].done()))
-        if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if done.item():
+    def votes(self) -> list[float]:
+        """This rank's part of the step's agreement all-reduce (summed over all ranks): [temporary checkpoint due
+        (rank 0's clock decides; 0 elsewhere), 1 where no async save is still writing]."""
+        minutes = self.cfg.temp_interval_minutes
+        due = rank() == 0 and minutes > 0 and time.monotonic() - self.last_temp_time >= minutes * 60
+        writing = self._pending is not None and self._pending[0] is not None and not self._pending[0].done()
+        return [float(due), float(not writing)]
+
+    def poll(self, not_writing: float) -> None:
+        """Finishes a pending async save as soon as every rank's write is done (``not_writing``: the summed
+        second vote), so its group and staging thread are released well before the next save."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self._pending is not None and self._pending[0] is not None and not_writing >= world:
             self.wait()
 
     def close(self) -> None:
@@ -293,21 +297,16 @@ class CheckpointManager:
         for path in regular[k:]:
             shutil.rmtree(path, ignore_errors=True)
 
-    def maybe_save(self, completed_steps: int, total_steps: int) -> None:
+    def maybe_save(self, completed_steps: int, total_steps: int, votes: list[float]) -> None:
         """Saves when Levanter's cadence (``checkpoint.interval``) or the temporary-checkpoint timer says so."""
         if not self.cfg.enable:
             return
-        self.poll()
+        self.poll(votes[1])
         if not self.best_only and hook_fires(completed_steps, total_steps, self.cfg.interval):
             self.save(completed_steps)
             return
-        minutes = self.cfg.temp_interval_minutes
-        if minutes > 0:
-            due = torch.tensor(float(time.monotonic() - self.last_temp_time >= minutes * 60))
-            if dist.is_initialized():  # all ranks must agree to enter the collective save
-                dist.broadcast(due, 0)
-            if due.item():
-                self.save(completed_steps, temp=True)
+        if votes[0] > 0:  # all ranks agree to enter the collective save: rank 0's clock decided
+            self.save(completed_steps, temp=True)
 
     def load(self, path: Path) -> int:
         """Restores the state of ``path`` (any world size: DCP reshards); returns its completed step count."""

@@ -171,6 +171,8 @@ class _VocabParallelCrossEntropy(_ChunkedLossBase):
     def forward(ctx, hidden, weight, labels, weights, chunk_size: int, offset: int, group, compiled: bool = False):
         import torch.distributed as dist
 
+        from titan_sft.parallel import comm
+
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         w_all = None if weights is None else weights.reshape(-1).float()
@@ -189,16 +191,16 @@ class _VocabParallelCrossEntropy(_ChunkedLossBase):
             local_t = local_t.clamp(0, v_local - 1)
             if compiled:  # the logits stay in the head's dtype; compiled kernels read them, no fp32 copy
                 row_max = raw.amax(dim=-1).float()
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+                comm.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, what="loss parallel max")
                 sums = _compiled(_tp_partial_sums)(raw, row_max, local_t, mine)
             else:
                 logits = raw.float()
                 target_logit = torch.where(mine, logits.gather(1, local_t[:, None]).squeeze(1), 0.0)
                 row_max = logits.max(dim=-1).values
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+                comm.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group, what="loss parallel max")
                 probs = logits.sub_(row_max[:, None]).exp_()  # in place: one chunk buffer per rank
                 sums = torch.stack([probs.sum(dim=-1), target_logit])
-            dist.all_reduce(sums, group=group)
+            comm.all_reduce(sums, group=group, what="loss parallel sums")
             lse = row_max + sums[0].log()
             total += ((lse - sums[1]) * wc).sum()
             if not (need_h or need_w):

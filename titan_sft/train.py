@@ -29,7 +29,7 @@ from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import flops_per_token
 from titan_sft.objectives import BatchError, build_objective
-from titan_sft.parallel import any_rank, clip_grad_norm_, init_distributed, shutdown
+from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, shutdown
 from titan_sft.registry import get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
@@ -202,14 +202,23 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        stats = torch.tensor([loss_sum.item(), float(n_tokens)], dtype=torch.float64)
-        torch.distributed.all_reduce(stats, group=self.dist.dp_group)  # tp ranks computed the same loss
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        loss, n_tokens = self._agree(loss_sum, n_tokens)
         dt = time.perf_counter() - t0
-        return {"split": "train", "step": batch.step + 1, "loss": stats[0].item(), "lr": lr, "grad_norm": grad_norm,
-                **self.objective.step_metrics(), "n_tokens": int(stats[1].item()), "step_time_s": dt,
-                **self.metrics.throughput(int(stats[1].item()), dt, self.dist.world)}
+        return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                **self.objective.step_metrics(), "n_tokens": n_tokens, "step_time_s": dt,
+                **self.metrics.throughput(n_tokens, dt, self.dist.world)}
+
+    def _agree(self, loss_sum: torch.Tensor, n_tokens: int) -> tuple[float, int]:
+        """The step's one all-reduce over all ranks, on the compute device: the loss and token sums (the tp ranks
+        of a data-parallel rank computed the same loss, so only the first of them adds its own), whether any rank
+        was signalled, and the checkpointer's votes. Returns the step loss and tokens; keeps the rest for the loop."""
+        lead = self.dist.mesh["tp"].get_local_rank() == 0
+        local = torch.cat([(loss_sum.double() if lead else torch.zeros_like(loss_sum, dtype=torch.float64)).view(1),
+                           comm.tensor([n_tokens if lead else 0, float(self.stop_signal is not None),
+                                        *self.checkpointer.votes()])])
+        agreed = comm.all_reduce(local, what="step statistics").tolist()  # .tolist() waits for the step
+        self.signalled, self.checkpoint_votes = agreed[2] > 0, agreed[3:]
+        return agreed[0], int(agreed[1])
 
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -231,12 +240,14 @@ class Trainer:
         self.loader.start(self.step)
         while self.step < self.total_steps:
             record = self.train_step()
+            if record.get("skipped"):  # a skipped step had no forward: agree on the flags alone
+                self._agree(torch.zeros((), device=self.dist.device), 0)
             self.metrics.observe(record)
             self.step += 1
             self.sampler.step = self.step  # the data position a checkpoint records
             if self.step % cfg.metrics.log_freq == 0 or self.step == self.total_steps:
                 self.metrics.log(record)
-            self.checkpointer.maybe_save(self.step, self.total_steps)
+            self.checkpointer.maybe_save(self.step, self.total_steps, self.checkpoint_votes)
             self.checkpointer.maybe_export(self.step, self.total_steps)
             if self.validator:
                 with high_precision_matmuls(self.model):  # validation stays bf16 when training in float8
@@ -244,10 +255,10 @@ class Trainer:
                 for rec in records:
                     self.metrics.log(rec)
             planned_stop = self.step == cfg.training.stop_at_step and self.step < self.total_steps
-            if any_rank(self.stop_signal is not None) or planned_stop:  # every rank stops at the same step
+            if self.signalled or planned_stop:  # every rank stops at the same step
                 if cfg.checkpoint.enable:
                     self.checkpointer.save(self.step, temp=True)
-                why = "training.stop_at_step" if planned_stop else f"signal {self.stop_signal}"
+                why = "training.stop_at_step" if planned_stop else f"signal {self.stop_signal or '(on another rank)'}"
                 saved = "; checkpoint saved" if cfg.checkpoint.enable else " (checkpoint.enable is false: not saved)"
                 logger.info(f"[stop] {why}: stopped after step {self.step}{saved}")
                 stop_file = os.environ.get("TITAN_SFT_STOP_FILE")  # the SLURM script requeues when it exists

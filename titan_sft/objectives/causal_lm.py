@@ -23,6 +23,7 @@ from titan_sft.data.collator import Microbatch, collate
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.objectives import BatchError, Objective, Validator, Validators
+from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 from titan_sft.startup_checks import StartupCheckError
 
@@ -59,7 +60,7 @@ class CausalLM(Objective):
         counts = torch.zeros(G, dtype=torch.float64)
         for mb in batch.microbatches:
             counts += torch.bincount(mb.groups[mb.labels != IGNORE_INDEX], minlength=G).double()
-        dist.all_reduce(counts, group=self.dp_group)
+        counts = comm.all_reduce(counts.to(comm.device()), group=self.dp_group, what="loss denominators").cpu()
         if first:  # always: a wrong denominator silently changes every gradient
             derived = np.bincount(np.arange(B) // (B // G), weights=dataset.assistant_counts[batch.global_ids],
                                   minlength=G)
@@ -142,7 +143,7 @@ class HeldOutLoss(Validator):
         mine = self.ids[rank::world]
         per_rank = -(-len(self.ids) // world)
         device = next(model.parameters()).device
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = comm.zeros(2)
         for start in range(0, per_rank, self.per_device):
             picks = range(start, min(start + self.per_device, per_rank))
             packs = [self.dataset[int(mine[j] if j < len(mine) else self.ids[0])] for j in picks]
@@ -153,9 +154,10 @@ class HeldOutLoss(Validator):
             mb = mb.to(device)
             hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
             total = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk)
-            sums += torch.tensor([total.item(), float((mb.labels != IGNORE_INDEX).sum().item())], dtype=torch.float64)
-        dist.all_reduce(sums, group=self.dp_group)
-        return sums[0].item() / max(sums[1].item(), 1.0), int(sums[1].item())
+            sums[0] += total.double()
+            sums[1] += (mb.labels != IGNORE_INDEX).sum()
+        loss_sum, n = comm.all_reduce(sums, group=self.dp_group, what="held-out loss").tolist()
+        return loss_sum / max(n, 1.0), int(n)
 
 
 class ExactMatchValidator(Validator):

@@ -35,6 +35,7 @@ from titan_sft.config import ConfigError, JobConfig
 from titan_sft.diffusion_sampler import GenerationValidator, end_token_ids
 from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.objectives import BatchError, Objective, Validator, Validators
+from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 
 TRAIN_STREAM, VALIDATION_STREAM, TEST_STREAM = 0, 1, 2
@@ -200,7 +201,7 @@ class MaskedDiffusion(Objective):
 
     def begin_step(self, batch, dataset, first: bool) -> str | None:
         stats = sum((mb.stats for mb in batch.microbatches), torch.zeros(6, dtype=torch.float64))
-        dist.all_reduce(stats, group=self.dp_group)
+        stats = comm.all_reduce(stats.to(comm.device()), group=self.dp_group, what="diffusion step stats").cpu()
         if stats[0] == 0:
             raise BatchError(f"step {batch.step + 1}: no example of the global batch has an answer token; its "
                              f"packs: {dataset.describe_sources([int(i) for i in batch.global_ids])}")
@@ -313,7 +314,7 @@ class DenoisingValidator(Validator):
             ce = obj.masked_ce(model, hidden, mb, keep.float().to(device))
             sums += torch.tensor([parts[0].item(), parts[1].item(), ce.item(), *mb.stats.tolist(), 1.0],
                                  dtype=torch.float64)
-        dist.all_reduce(sums, group=group)
+        sums = comm.all_reduce(sums.to(comm.device()), group=group, what="denoising validation").cpu()
         model.train(was_training)
         stats = sums[3:9]
         denoms = obj.denominators(stats).clamp(min=1.0)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_sft.config import ConfigError, JobConfig
+from titan_sft.parallel import comm
 from titan_sft.parallel.parallel_dims import ParallelDims
 
 
@@ -60,7 +61,10 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    # On GPU: NCCL for CUDA tensors and gloo for CPU ones (object collectives, DCP's planning). The trainer's
+    # own collectives run on the GPU (comm checks it); gloo is there for torch's CPU-side exchanges.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timedelta(minutes=30))
+    comm.set_device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_config(cfg, world)
     mesh, dp_flat = dims.build_mesh(device.type)
@@ -95,13 +99,6 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm.item()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (so all ranks take the same branch, e.g. stop at one step)."""
-    t = torch.tensor(float(flag))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def shutdown() -> None:

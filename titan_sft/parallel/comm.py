@@ -1,0 +1,124 @@
+"""The trainer's own collectives (step statistics, loss denominators, agreement flags), on the compute device.
+
+NCCL only takes CUDA tensors, gloo takes CPU tensors; a collective handed a tensor on the wrong device fails
+mid-run (NCCL: "Tensors must be CUDA and dense"). Every collective titan_sft issues itself goes through this
+module, which places the tensors it creates on the run's compute device (:func:`set_device`, called by
+``init_distributed``) and refuses, with one line naming the call, a tensor that is anywhere else. FSDP's, DTensor's
+and DCP's collectives are torch's own and are not routed here.
+
+Without a GPU every tensor is on the CPU, so a tensor that a GPU run would leave on the host cannot be told apart
+by its device. ``TITAN_SFT_CHECK_COLLECTIVE_DEVICES=1`` makes the difference visible on a CPU run: tensors made by a
+factory function (``torch.tensor``, ``torch.zeros``, ...) without an explicit ``device`` are marked as host tensors,
+so are tensors computed only from such tensors, and ``.to(device)`` of one gives an unmarked copy (as on a GPU);
+a collective on a marked tensor then fails exactly where NCCL would. The tests run the trainer this way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_device = torch.device("cpu")
+CHECK_ENV = "TITAN_SFT_CHECK_COLLECTIVE_DEVICES"
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective was given a tensor on another device than the run's compute device."""
+
+
+def set_device(device: torch.device) -> None:
+    """Sets the compute device the trainer's collectives run on (and turns on the host-tensor check when
+    ``TITAN_SFT_CHECK_COLLECTIVE_DEVICES=1``)."""
+    global _device
+    _device = torch.device(device)
+    if os.environ.get(CHECK_ENV) == "1":
+        enable_host_tensor_check()
+
+
+def device() -> torch.device:
+    """The run's compute device: where tensors meant for a collective are created."""
+    return _device
+
+
+def tensor(values: Sequence[float] | float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A tensor of ``values`` on the compute device, for a collective."""
+    return torch.tensor(values, dtype=dtype, device=_device)
+
+
+def zeros(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, device=_device)
+
+
+def _check(t: torch.Tensor, what: str) -> None:
+    if t.device != _device or getattr(t, "_titan_host", False):
+        where = "the host (made without device=)" if t.device == _device else str(t.device)
+        raise CollectiveDeviceError(f"{what}: tensor on {where}, but this run's collectives run on {_device} "
+                                    f"(NCCL takes CUDA tensors only); create it with titan_sft.parallel.comm.tensor "
+                                    f"or move it with .to(comm.device())")
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, what: str = "all_reduce") -> torch.Tensor:
+    """In-place all-reduce of ``t`` (returned); a no-op without a process group."""
+    _check(t, what)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int = 0, group=None, what: str = "broadcast") -> torch.Tensor:
+    """In-place broadcast of ``t`` from global rank ``src`` (returned); a no-op without a process group."""
+    _check(t, what)
+    if dist.is_initialized():
+        dist.broadcast(t, src, group=group)
+    return t
+
+
+class _HostTensorMarker(TorchFunctionMode):
+    """Marks tensors a GPU run would hold on the host (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._device import _device_constructors
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        if func in _device_constructors() or func in (torch.from_numpy, torch.as_tensor):
+            if kwargs.get("device") is None:
+                out._titan_host = True
+            return out
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and _moves_to_device(args, kwargs):
+            # On a GPU this is a copy to the device; on CPU .to() may return the tensor itself.
+            return out.clone() if getattr(out, "_titan_host", False) else out
+        inputs = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
+        if inputs and all(getattr(a, "_titan_host", False) for a in inputs) and out is not inputs[0]:
+            out._titan_host = True
+        return out
+
+
+def _moves_to_device(args, kwargs) -> bool:
+    targets = [a for a in list(args[1:]) + [kwargs.get("device")] if isinstance(a, (torch.device, str))]
+    return any(torch.device(a).type == _device.type for a in targets)
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+_marker: _HostTensorMarker | None = None
+
+
+def enable_host_tensor_check() -> None:
+    """Turns on host-tensor marking in this thread for the rest of the process (idempotent)."""
+    global _marker
+    if _marker is None:
+        _marker = _HostTensorMarker()
+        _marker.__enter__()
