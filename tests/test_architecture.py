@@ -171,18 +171,20 @@ def test_debug_loss_curve_matches_the_one_recorded_before_the_objective_split(tm
     """The first 20 steps of the debug job (fp32) against values recorded on main before the loss left the model.
 
     Recorded values come from one CPU; another CPU's kernels (AVX-512 vs AVX2 reductions) round the fp32 forward
-    differently, about 1e-7 relative at step 1 (6.1540656 vs 6.1540651 measured), and Adam carries that along.
-    The tolerances (step 1: 1e-6; later steps: 1e-4 for losses, 1e-3 for grad norms) hold across CPUs and still
-    catch what this test is for: a change of labels, masks or loss normalisation moves step 1 by more than 1e-3.
+    differently, about 1e-7 relative at step 1 (6.1540656 vs 6.1540651 measured), and training amplifies it:
+    measured on a second CPU, under 5e-7 up to step 16, then up to 8e-5 (losses) and 3.8e-3 (grad norms) by step 20.
+    The tolerances (steps 1-10 within 1e-5; all 20 within 1e-3 for losses and 2e-2 for grad norms) hold across CPUs
+    and still catch what this test is for: a change of labels, masks or loss normalisation moves step 1 by far
+    more than 1e-5.
     Bit-equality is checked where it belongs, between two runs of one checkout on one machine (resume tests,
     and the doubled objective below)."""
     before = json.loads((ROOT / "tests" / "data" / "debug_losses_before_objectives.json").read_text())
     records = _train(tmp_path / "run", "--training.stop_at_step", "20")
     losses, norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
-    assert losses[0] == pytest.approx(before["losses"][0], rel=1e-6)
-    assert norms[0] == pytest.approx(before["grad_norms"][0], rel=1e-6)
-    assert losses == pytest.approx(before["losses"], rel=1e-4)
-    assert norms == pytest.approx(before["grad_norms"], rel=1e-3)
+    assert losses[:10] == pytest.approx(before["losses"][:10], rel=1e-5)
+    assert norms[:10] == pytest.approx(before["grad_norms"][:10], rel=1e-5)
+    assert losses == pytest.approx(before["losses"], rel=1e-3)
+    assert norms == pytest.approx(before["grad_norms"], rel=2e-2)
 
 
 @pytest.mark.slow
