@@ -1,14 +1,23 @@
 """Step metrics: throughput and MFU, a progress line on rank 0, metrics.jsonl, TensorBoard, optional W&B.
 
-MFU follows torchtitan's convention: FLOPs per token = 6 * N + 12 * n_layers * n_heads * head_dim * seq_len,
-with N the parameters excluding the token embedding, against the GPU's dense bf16 peak. (Document masking makes
-the true attention cost lower; the convention counts full causal attention, as torchtitan does.)
+Two MFUs, both against the GPU's dense bf16 peak (recomputation under activation checkpointing is not counted):
+
+* ``mfu``: the work each step actually did (:class:`FlopCounter`). Every matmul weight counts 6 FLOPs per token
+  it is applied to (forward 2, input gradient 2, weight gradient 2), or 4 when it is frozen (no weight gradient:
+  LoRA's base); the output head is counted wherever it runs, tied to the embedding or not (causal LM: every
+  position; masked diffusion: the masked positions only); attention counts 12 * L * H * D FLOPs per (query, key)
+  pair it computes, per document of the packed rows: n (n + 1) / 2 pairs for a causal document of n tokens,
+  n ** 2 bidirectional.
+* ``mfu_torchtitan``: torchtitan's convention, 6 * N + 12 * L * H * D * S per token, with N the parameters less
+  the token embedding (a tied head is then not counted) and S the row length (full attention over the whole row,
+  no causal halving, no document masking). Comparable with torchtitan's logs; not with ``mfu``.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,19 +40,54 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def flops_per_token(args, seq_len: int) -> float:
-    n = args.num_params() - args.vocab_size * args.dim  # embedding lookups are not matmuls
+def torchtitan_flops_per_token(args, seq_len: int) -> float:
+    """torchtitan's count: 6 * (parameters less the embedding) + 12 * L * H * D * S (full attention)."""
+    n = args.num_params() - args.vocab_size * args.dim
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+@dataclass
+class FlopCounter:
+    """Training FLOPs of a step from what it computed (see the module docstring)."""
+
+    body_per_token: float  # the blocks' matmuls, per input token
+    head_per_position: float  # the output head, per position it is applied to
+    per_pair: float  # attention, per (query, key) pair: 12 * L * H * D
+    causal: bool
+    torchtitan_per_token: float
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, args, seq_len: int, causal: bool) -> "FlopCounter":
+        """Counts the matmul weights of the (parallelized) model: DTensor shards count with their global size.
+        Parameters of fewer than 2 dimensions (norms) are not matmuls; the embedding is a lookup."""
+        embedding, head = model.tok_embeddings.weight, model.output.weight
+        body = 0
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and p is not embedding and p is not head:
+                body += (6 if p.requires_grad else 4) * p.numel()
+        head_flops = (6 if head.requires_grad else 4) * head.numel()
+        return cls(float(body), float(head_flops), 12.0 * args.n_layers * args.n_heads * args.head_dim, causal,
+                   torchtitan_flops_per_token(args, seq_len))
+
+    def attention_pairs(self, cu_seqlens: torch.Tensor | None, rows: int, row_len: int) -> int:
+        """(query, key) pairs attention computes for one microbatch: per document (``cu_seqlens`` over the flat
+        rows; None: one document per row)."""
+        n = (torch.full((rows,), row_len, dtype=torch.int64) if cu_seqlens is None
+             else (cu_seqlens[1:] - cu_seqlens[:-1]).to("cpu", torch.int64))
+        return int((n * (n + 1) // 2).sum() if self.causal else (n * n).sum())
+
+    def step_flops(self, n_tokens: int, head_positions: int, pairs: int) -> float:
+        return self.body_per_token * n_tokens + self.head_per_position * head_positions + self.per_pair * pairs
 
 
 class MetricsLogger:
     """Rank 0 writes; every rank may call. ``flops_per_token`` feeds MFU (null where the peak is unknown)."""
 
-    def __init__(self, job_cfg: JobConfig, rank: int, device: torch.device, total_steps: int, flops_per_token: float):
+    def __init__(self, job_cfg: JobConfig, rank: int, device: torch.device, total_steps: int, flops: FlopCounter):
         cfg, dump_folder = job_cfg.metrics, job_cfg.job.dump_folder
         self.rank, self.cfg, self.device, self.total = rank, cfg, device, total_steps
         self.peak = peak_flops(device)
-        self.flops_per_token = flops_per_token
+        self.flops = flops
         self.t_start = time.monotonic()
         self.start_step: int | None = None
         self._losses: list[float] = []  # train losses since the last logged record (the running loss)
@@ -65,13 +109,17 @@ class MetricsLogger:
                                     config=job_cfg.to_dict(), dir=dump_folder, notes=job_cfg.job.description or None,
                                     name=cfg.wandb_run_name or None)
 
-    def throughput(self, n_tokens: int, seconds: float, world: int) -> dict:
-        """``tokens_per_s`` (input tokens per second per device), ``mfu`` (percent, None where the device's peak
-        is unknown) and ``memory_gib`` (peak device memory, None on CPU) of one step."""
+    def throughput(self, n_tokens: int, step_flops: float, seconds: float, world: int) -> dict:
+        """Of one step, per device: ``tokens_per_s`` (input tokens), ``tflops`` (done, :class:`FlopCounter`),
+        ``mfu`` and ``mfu_torchtitan`` (percent, None where the device's peak is unknown) and ``memory_gib`` (peak,
+        None on CPU). ``n_tokens`` and ``step_flops`` are totals over all ranks."""
         tokens_per_s = n_tokens / world / seconds
-        mfu = 100 * tokens_per_s * self.flops_per_token / self.peak if self.peak else None
+        flops_per_s = step_flops / world / seconds
+        mfu = 100 * flops_per_s / self.peak if self.peak else None
+        titan = 100 * tokens_per_s * self.flops.torchtitan_per_token / self.peak if self.peak else None
         memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "memory_gib": memory}
+        return {"tokens_per_s": tokens_per_s, "tflops": flops_per_s / 1e12, "mfu": mfu, "mfu_torchtitan": titan,
+                "memory_gib": memory}
 
     def observe(self, record: dict) -> None:
         """Every train step's record, logged or not: feeds ``loss_running`` (the mean loss since the last log)."""

@@ -40,7 +40,7 @@ class TrainSpec:
         build_optimizer_fn(model, cfg.optimizer, global_batch) -> torch optimizer (lr scaled by the batch).
         build_lr_scheduler_fn(optimizer, cfg.lr_scheduler, total_steps) -> LR scheduler.
         build_checkpointer_fn(cfg, model, optimizer, lr_scheduler, sampler, exporter) -> checkpointer.
-        build_metrics_fn(cfg, rank, device, total_steps, flops_per_token) -> metrics logger.
+        build_metrics_fn(cfg, rank, device, total_steps, flops) -> metrics logger (flops: metrics.FlopCounter).
     """
 
     name: str

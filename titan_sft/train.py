@@ -27,7 +27,7 @@ from titan_sft.converters import high_precision_matmuls
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
 from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
-from titan_sft.metrics import flops_per_token
+from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, shutdown
 from titan_sft.registry import get_train_spec
@@ -76,8 +76,8 @@ class Trainer:
 
         self.optimizer = spec.build_optimizer_fn(model, cfg.optimizer, cfg.training.global_batch_size)
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, self.total_steps)
-        self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps,
-                                             flops_per_token(self.args, self.seq_len))
+        self.flops = FlopCounter.from_model(model, self.args, self.seq_len, self.objective.causal)
+        self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps, self.flops)
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
                               cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config,
                               lora=cfg.lora if "lora" in cfg.model.converters else None,
@@ -184,13 +184,15 @@ class Trainer:
         t0 = time.perf_counter()
         device = self.dist.device
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        n_tokens = 0
+        n_tokens = head_positions = pairs = 0
         mbs = batch.microbatches
         every_mb = self.cfg.parallelism.grad_reduce == "per_microbatch"
         for k, mb in enumerate(mbs):
             # per microbatch: gradients are reduce-scattered into their shards at once (sharded memory);
             # otherwise they stay whole (fp32) until the last microbatch's backward.
             self.model.set_requires_gradient_sync(every_mb or k == len(mbs) - 1)
+            pairs += self.flops.attention_pairs(mb.cu_seqlens, *mb.input_ids.shape)  # host metadata: no sync
+            head_positions += self.objective.head_positions(mb)
             mb = mb.to(device, non_blocking=True)
             loss = self.objective.loss(self.model, mb)
             loss.backward()
@@ -202,23 +204,25 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        loss, n_tokens = self._agree(loss_sum, n_tokens)
+        flops = self.flops.step_flops(n_tokens, head_positions, pairs)
+        loss, n_tokens, flops = self._agree(loss_sum, n_tokens, flops)
         dt = time.perf_counter() - t0
         return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 **self.objective.step_metrics(), "n_tokens": n_tokens, "step_time_s": dt,
-                **self.metrics.throughput(n_tokens, dt, self.dist.world)}
+                **self.metrics.throughput(n_tokens, flops, dt, self.dist.world)}
 
-    def _agree(self, loss_sum: torch.Tensor, n_tokens: int) -> tuple[float, int]:
-        """The step's one all-reduce over all ranks, on the compute device: the loss and token sums (the tp ranks
-        of a data-parallel rank computed the same loss, so only the first of them adds its own), whether any rank
-        was signalled, and the checkpointer's votes. Returns the step loss and tokens; keeps the rest for the loop."""
+    def _agree(self, loss_sum: torch.Tensor, n_tokens: int, flops: float) -> tuple[float, int, float]:
+        """The step's one all-reduce over all ranks, on the compute device: the loss, token and FLOP sums (the tp
+        ranks of a data-parallel rank computed the same loss on the same tokens, so only the first of them adds
+        its own), whether any rank was signalled, and the checkpointer's votes. Returns the step's loss, tokens and
+        FLOPs; keeps the rest for the loop."""
         lead = self.dist.mesh["tp"].get_local_rank() == 0
         local = torch.cat([(loss_sum.double() if lead else torch.zeros_like(loss_sum, dtype=torch.float64)).view(1),
-                           comm.tensor([n_tokens if lead else 0, float(self.stop_signal is not None),
-                                        *self.checkpointer.votes()])])
+                           comm.tensor([n_tokens if lead else 0, flops if lead else 0.0,
+                                        float(self.stop_signal is not None), *self.checkpointer.votes()])])
         agreed = comm.all_reduce(local, what="step statistics").tolist()  # .tolist() waits for the step
-        self.signalled, self.checkpoint_votes = agreed[2] > 0, agreed[3:]
-        return agreed[0], int(agreed[1])
+        self.signalled, self.checkpoint_votes = agreed[3] > 0, agreed[4:]
+        return agreed[0], int(agreed[1]), agreed[2]
 
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> None:
@@ -241,7 +245,7 @@ class Trainer:
         while self.step < self.total_steps:
             record = self.train_step()
             if record.get("skipped"):  # a skipped step had no forward: agree on the flags alone
-                self._agree(torch.zeros((), device=self.dist.device), 0)
+                self._agree(torch.zeros((), device=self.dist.device), 0, 0.0)
             self.metrics.observe(record)
             self.step += 1
             self.sampler.step = self.step  # the data position a checkpoint records

@@ -83,6 +83,11 @@ class Objective:
     def step_metrics(self) -> dict[str, Any]:
         return {}
 
+    def head_positions(self, mb: Any) -> int:
+        """How many positions of ``mb`` the output head is applied to (for the FLOP count): all of them, unless
+        the objective applies it at some only."""
+        return mb.input_ids.numel()
+
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
         """Called once the model holds its starting weights (before any resume), so a validator may keep what it
         needs of them."""

@@ -209,6 +209,9 @@ class MaskedDiffusion(Objective):
         self.denoms = self.denominators(stats).clamp(min=1.0)
         return None
 
+    def head_positions(self, mb: DiffusionMicrobatch) -> int:
+        return len(mb.rows)  # the head runs at the masked positions only
+
     def masked_ce(self, model, hidden, mb: DiffusionMicrobatch, weights: torch.Tensor) -> torch.Tensor:
         """Sum over the masked positions of weight x CE; the head runs at those positions only."""
         return chunked_cross_entropy_sum(hidden, model.output.weight, mb.targets, self.chunk, weights, rows=mb.rows,

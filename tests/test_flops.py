@@ -1,0 +1,76 @@
+"""The MFU's FLOP count is the work a step does: equal, op for op, to torch's FlopCounterMode on a real forward and
+backward (math attention, which computes every pair), with the tied head counted, frozen weights counted without
+their weight gradient, and attention per document (causal halves it); torchtitan's convention beside it."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from titan_sft.config import load_config
+from titan_sft.metrics import FlopCounter, MetricsLogger, torchtitan_flops_per_token
+from titan_sft.registry import get_train_spec
+
+
+def _model(causal=False):
+    spec = get_train_spec("qwen3")
+    args = dataclasses.replace(spec.flavors["debug"], causal=causal)
+    assert args.tie_embeddings  # the head shares the embedding and must still be counted
+    model = spec.model_cls(args)
+    model.init_weights()
+    return model, args
+
+
+def _measured(model, ids, cu=None):
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as mode:
+        hidden = model(ids, cu_seqlens=cu, hidden_only=True)
+        model.output(hidden).float().logsumexp(-1).sum().backward()
+    return mode.get_total_flops()
+
+
+@pytest.mark.parametrize("freeze_blocks", [False, True])
+def test_count_equals_torch_flop_counter(freeze_blocks):
+    model, args = _model(causal=False)
+    if freeze_blocks:  # LoRA's base: no weight gradient, 4 FLOPs per weight and token
+        for p in model.layers.parameters():
+            p.requires_grad_(False)
+    ids = torch.randint(0, args.vocab_size, (2, 64))
+    counter = FlopCounter.from_model(model, args, 64, causal=False)
+    # one document per row, bidirectional: math attention computes exactly these pairs
+    expected = counter.step_flops(128, 128, counter.attention_pairs(None, 2, 64))
+    assert _measured(model, ids) == expected
+    head = 6 * args.vocab_size * args.dim
+    assert counter.head_per_position == head
+    blocks = 6 * (args.num_params() - args.vocab_size * args.dim - args.dim
+                  - args.n_layers * (2 * args.dim + 2 * args.head_dim))
+    assert counter.body_per_token == (blocks * 4 // 6 if freeze_blocks else blocks)
+
+
+def test_attention_pairs_per_document():
+    model, args = _model()
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    causal = FlopCounter.from_model(model, args, 8, causal=True)
+    bidir = FlopCounter.from_model(model, args, 8, causal=False)
+    assert causal.attention_pairs(cu, 1, 8) == 3 * 4 // 2 + 5 * 6 // 2
+    assert bidir.attention_pairs(cu, 1, 8) == 3 * 3 + 5 * 5
+    assert bidir.attention_pairs(None, 2, 8) == 2 * 64
+    assert causal.per_pair == 12 * args.n_layers * args.n_heads * args.head_dim
+
+
+def test_torchtitan_convention_and_mfu_fields():
+    model, args = _model(causal=True)
+    S = 256
+    titan = torchtitan_flops_per_token(args, S)
+    assert titan == 6 * (args.num_params() - args.vocab_size * args.dim) + 12 * args.n_layers * args.n_heads * args.head_dim * S
+    counter = FlopCounter.from_model(model, args, S, causal=True)
+    cfg = load_config("train_configs/debug_model.toml", [])
+    metrics = MetricsLogger(cfg, 1, torch.device("cpu"), 10, counter)  # rank 1: writes nothing
+    metrics.peak = 1e12
+    flops = counter.step_flops(4 * S, 4 * S, counter.attention_pairs(None, 4, S))
+    r = metrics.throughput(4 * S, flops, seconds=0.5, world=2)
+    assert r["tokens_per_s"] == 4 * S / 2 / 0.5
+    assert r["mfu"] == pytest.approx(100 * flops / 2 / 0.5 / 1e12)
+    assert r["mfu_torchtitan"] == pytest.approx(100 * r["tokens_per_s"] * titan / 1e12)
+    assert r["tflops"] == pytest.approx(flops / 2 / 0.5 / 1e12)
