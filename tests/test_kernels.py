@@ -243,3 +243,155 @@ def test_compiled_loss_equals_eager(tmp_path):
         assert eager[2][:100].abs().max() == 0  # rows outside the slice get no gradient
     finally:
         dist.destroy_process_group()
+
+
+def test_selective_ac_keeps_every_attention_backends_op():
+    """Per backend, the ops its attention dispatches are in the policy's save set: sdpa's (exercised above),
+    torch's varlen custom op (registered only once torch.nn.attention.varlen is imported), flash-attn's."""
+    from titan_sft.parallel.parallelize import ATTENTION_SAVE_OPS, _save_ops
+
+    save = _save_ops()
+    assert torch.ops.torch_attn._varlen_attn.default in save
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in save
+    assert torch._higher_order_ops.flex_attention in save
+    assert set(ATTENTION_SAVE_OPS) == {"sdpa", "varlen", "flash_varlen"}
+
+
+def test_selective_ac_does_not_recompute_flash_attn_kernels():
+    """flash-attn's varlen forward, as it registers it (flash_attn::_flash_attn_varlen_forward), under the policy:
+    run once in forward, never again in backward. A CPU stand-in with flash-attn's op name (and a call counter)."""
+    import importlib.util
+
+    from torch.utils.checkpoint import checkpoint
+
+    from titan_sft.parallel.parallelize import _save_ops, selective_checkpoint_context
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        assert torch.ops.flash_attn._flash_attn_varlen_forward.default in _save_ops()
+        return
+    calls = []
+
+    @torch.library.custom_op("flash_attn::_flash_attn_varlen_forward", mutates_args=())
+    def fake_forward(q: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return q.softmax(-1)
+
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return out * (grad - (grad * out).sum(-1, keepdim=True))
+
+    fake_forward.register_autograd(backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output))
+    x = torch.randn(4, 8, requires_grad=True)
+    y = checkpoint(lambda t: torch.ops.flash_attn._flash_attn_varlen_forward(t * 2).sin(), x, use_reentrant=False,
+                   context_fn=selective_checkpoint_context)
+    y.sum().backward()
+    assert len(calls) == 1  # saved by the policy: not recomputed
+    assert torch.ops.flash_attn._flash_attn_varlen_forward.default in _save_ops()
+
+
+@pytest.mark.parametrize("params,expected", [
+    ({"is_causal"}, ({"is_causal": True}, True)),  # torch 2.10
+    ({"window_size"}, ({"window_size": (-1, 0)}, True)),  # torch 2.11: no enable_gqa
+    ({"window_size", "enable_gqa"}, ({"window_size": (-1, 0), "enable_gqa": True}, False)),  # torch 2.13
+])
+def test_varlen_arguments_follow_the_installed_signature(params, expected):
+    from titan_sft.models.attention import varlen_kwargs
+
+    assert varlen_kwargs(True, params) == expected
+    kwargs, _ = varlen_kwargs(False, params)
+    assert kwargs.get("window_size", (-1, -1)) == (-1, -1) and kwargs.get("is_causal", False) is False
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_without_enable_gqa_expands_kv_heads(monkeypatch, causal):
+    """On a torch whose varlen_attn has no enable_gqa (2.11), GQA key/value heads are repeated before the call. A
+    CPU stand-in with 2.11's signature computes per document with sdpa and refuses unequal head counts."""
+    import torch.nn.attention.varlen as varlen
+    import torch.nn.functional as F
+
+    def varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "no enable_gqa: heads must match"
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            sl = slice(a, b)
+            out[sl] = F.scaled_dot_product_attention(q[sl].transpose(0, 1), k[sl].transpose(0, 1),
+                                                     v[sl].transpose(0, 1), is_causal=window_size == (-1, 0)
+                                                     ).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_2_11)
+    cu = torch.tensor([0, 10, 24, 30, 48], dtype=torch.int32)
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    outs = {}
+    for name in ("sdpa", "varlen"):
+        backend = AttentionBackend(name, causal=causal)
+        outs[name] = backend(q, k, v, backend.prepare(2, 24, torch.device("cpu"), cu))
+    assert torch.allclose(outs["varlen"], outs["sdpa"], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["varlen", "flash_varlen"])
+def test_flash_backends_refuse_fp32_compute_with_one_line(name, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
+    with pytest.raises(BackendUnavailable, match=f"'{name}'.*bf16/fp16 only.*float32.*training.param_dtype"):
+        check_backend(name, "cuda", torch.float32)
+    check_backend(name, "cuda", torch.bfloat16)
+
+
+def test_auto_backend_resolves_to_one_that_is_present(monkeypatch):
+    import importlib.util
+
+    from titan_sft.models.attention import resolve_backend
+
+    assert resolve_backend("auto", "cpu")[0] == "sdpa"
+    assert resolve_backend("flex", "cuda") == ("flex", None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
+    name, notice = resolve_backend("auto", "cuda")
+    assert name == "varlen" and "flash-attn not installed" in notice
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
+    assert resolve_backend("auto", "cuda")[0] == "flash_varlen"
+
+
+def test_recipe_configs_use_auto_attention():
+    from pathlib import Path
+
+    from titan_sft.config import load_config
+
+    root = Path(__file__).resolve().parent.parent / "train_configs"
+    for path in sorted(root.glob("*.toml")):
+        if not path.name.startswith("debug"):
+            assert load_config(str(path), []).model.attention == "auto", path.name
+
+
+def test_transformer_engine_with_tensor_parallel_is_refused_at_config_time():
+    from titan_sft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="training.float8_backend.*'torchao' with parallelism.tp > 1"):
+        load_config("train_configs/debug_model.toml", ["--training.float8", "true", "--training.float8_backend", "te",
+                                                       "--parallelism.tp", "2"])
+
+
+def test_isolation_check_does_not_make_compiled_blocks_recompile():
+    """The start-up check runs a [1, 256] row; the compiled blocks must compile once, for the training shape."""
+    from titan_sft.startup_checks import check_document_isolation
+
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    model = build_model(DEBUG, device="cpu")
+    model.init_weights()
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block, backend=counting_backend, fullgraph=True))
+    check_document_isolation(model, DEBUG.vocab_size, 512, torch.device("cpu"), "sdpa")
+    cu = torch.tensor([0, 100, 512, 700, 1024], dtype=torch.int32)
+    for _ in range(2):
+        model(torch.randint(0, 500, (2, 512)), cu_seqlens=cu, hidden_only=True)
+    assert len(compiles) == 1, compiles  # one graph (shared by the blocks), at the training shape only
+    torch._dynamo.reset()

@@ -53,9 +53,9 @@ class Model:
     hf_assets_path: str = doc("", "HF directory for config, tokenizer and (with init_from_hf) weights")
     init_from_hf: bool = doc(False, "start from the weights and config.json in hf_assets_path")
     tokenizer_path: str = doc("", "tokenizer directory; empty means hf_assets_path (then the dataset's)")
-    attention: Literal["sdpa", "flex", "varlen", "flash_varlen"] = doc(
-        "sdpa", "attention backend: sdpa (everywhere), flex, varlen (torch's varlen kernels, GPU), flash_varlen "
-                "(flash-attn, GPU)")
+    attention: Literal["auto", "sdpa", "flex", "varlen", "flash_varlen"] = doc(
+        "sdpa", "attention backend: sdpa (everywhere), flex, varlen (torch's varlen kernels, GPU, bf16), flash_varlen "
+                "(flash-attn, GPU, bf16), auto (GPU: flash_varlen where flash-attn is installed, else varlen; CPU: sdpa)")
     reset_positions_per_document: bool = doc(False, "RoPE positions restart at 0 in every packed document")
     converters: list[str] = doc([], "extra model converters by registered name, applied in order before "
                                     "sharding (float8 is switched by training.float8)")
@@ -435,6 +435,9 @@ def validate(cfg: JobConfig) -> None:
     need(0 <= lo.dropout < 1, "lora.dropout", "0 <= dropout < 1", lo.dropout)
     need(bool(lo.targets) and set(lo.targets) <= set(LORA_TARGETS), "lora.targets",
          f"a non-empty list of {', '.join(LORA_TARGETS)}", lo.targets)
+    need(not (t.float8 and t.float8_backend == "te" and cfg.parallelism.tp > 1), "training.float8_backend",
+         "'torchao' with parallelism.tp > 1 (Transformer Engine's linears shard through their own TP group, which "
+         "titan_sft's TP plan does not set up)", t.float8_backend)
     need(not ("lora" in cfg.model.converters and t.float8), "training.float8",
          "false with the lora converter (LoRA linears are not float8 linears)", t.float8)
     for key, v in (("warmup", s.warmup), ("decay", s.decay)):

@@ -8,6 +8,7 @@ the ranks ``[parallelism]`` names when dp_shard is not -1.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -16,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from titan_sft.checkpoint import hook_fires, label
 from titan_sft.config import JobConfig, check_layout, check_tensor_parallel, require_data_path
 from titan_sft.hf_io import model_args
+from titan_sft.models.attention import resolve_backend
 from titan_sft.lr_schedule import Schedule, total_steps
 from titan_sft.parallel.tensor_parallel import describe_plan
 from titan_sft.registry import get_objective, get_train_spec
@@ -82,7 +84,10 @@ def dry_run(cfg: JobConfig) -> str:
     get_objective(cfg.objective.name)  # an unknown objective fails here, as it would at start
     require_data_path(cfg)
     ds = PackedDataset(cfg.data.path) if Path(cfg.data.path).exists() else None
-    args = model_args(cfg.model, spec)
+    # The plan is for the GPU machine the run is meant for: 'auto' resolves as it would there.
+    attention, _ = resolve_backend(cfg.model.attention, "cuda")
+    args = model_args(dataclasses.replace(cfg.model, attention=attention), spec)
+    shown = f"auto -> {attention} on GPU" if cfg.model.attention == "auto" else attention
     B = cfg.training.global_batch_size
     if ds is not None:
         m, L = ds.manifest, ds.seq_len
@@ -161,7 +166,7 @@ def dry_run(cfg: JobConfig) -> str:
     ]
     lines = [
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
-        f", {args.num_params() / 1e6:,.1f}M parameters, attention {cfg.model.attention}",
+        f", {args.num_params() / 1e6:,.1f}M parameters, attention {shown}",
         f"objective: {cfg.objective.name}",
         *lora_line,
         *data_lines,

@@ -22,13 +22,16 @@ _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.S)
 
 
 def evaluate_exact_match(hf_dir: str | Path, chats_path: str | Path, max_new_tokens: int = 32,
-                         max_examples: int = 200) -> tuple[float, int]:
-    """Loads ``hf_dir`` with AutoModelForCausalLM, decodes each chat's prompt (all turns before the last
-    assistant turn) greedily, and compares the answer (think block removed) with the last assistant turn."""
+                         max_examples: int = 200, device: torch.device | str = "cpu") -> tuple[float, int]:
+    """Loads ``hf_dir`` with AutoModelForCausalLM on ``device`` (bf16 on a GPU, fp32 on CPU), decodes each chat's
+    prompt (all turns before the last assistant turn) greedily, and compares the answer (think block removed) with
+    the last assistant turn."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True).to(device).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     rows = [json.loads(line) for line in Path(chats_path).read_text().splitlines() if line.strip()][:max_examples]
     correct = 0
@@ -36,7 +39,7 @@ def evaluate_exact_match(hf_dir: str | Path, chats_path: str | Path, max_new_tok
         messages = row["messages"]
         target = messages[-1]["content"].strip()
         ids = tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
-        ids = torch.tensor([list(ids)])
+        ids = torch.tensor([list(ids)], device=device)
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                                  pad_token_id=tok.pad_token_id)

@@ -12,9 +12,13 @@ Backends:
         the reference for tests and CPU runs.
     flex: FlexAttention with a per-row document ``BlockMask``; sparse, so cost grows with the documents' lengths.
         Compiled on GPU (uncompiled FlexAttention is a slow reference implementation).
-    varlen: torch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped with torch, GQA)
-        with ``cu_seqlens`` over the flattened rows (GPU).
-    flash_varlen: ``flash_attn_varlen_func`` from the flash-attn package, same metadata (GPU, flash-attn).
+    varlen: torch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention kernels shipped with torch)
+        with ``cu_seqlens`` over the flattened rows (GPU, bf16/fp16). Its signature changed across torch releases
+        (2.10: ``is_causal``; 2.11: ``window_size``; 2.13: ``enable_gqa`` too): only the arguments the installed
+        torch accepts are passed, and key/value heads are expanded for GQA where it has no ``enable_gqa``.
+    flash_varlen: ``flash_attn_varlen_func`` from the flash-attn package, same metadata (GPU, bf16/fp16).
+    auto: resolved once at start-up (:func:`resolve_backend`): flash_varlen where flash-attn is installed, else
+        varlen, on GPU; sdpa on CPU.
 
 The mask (or block mask) is built once per forward by :meth:`Attention.prepare` and shared by all layers.
 """
@@ -30,14 +34,27 @@ import torch.nn.functional as F
 
 BACKENDS = ("sdpa", "flex", "varlen", "flash_varlen")
 CPU_BACKENDS = ("sdpa", "flex")  # flex: forward only (no CPU backward), for evaluation and tests
+FLASH_BACKENDS = ("varlen", "flash_varlen")  # FlashAttention kernels: fp16/bf16 inputs only
 
 
 class BackendUnavailable(RuntimeError):
     """The configured attention backend cannot run here; raised at start-up, never mid-step."""
 
 
-def check_backend(name: str, device: torch.device | str) -> None:
-    """Raises :class:`BackendUnavailable` with a clear message when ``name`` cannot run on ``device``."""
+def resolve_backend(name: str, device: torch.device | str) -> tuple[str, str | None]:
+    """The backend ``auto`` stands for on ``device`` (others unchanged), and the notice to print (None: none)."""
+    if name != "auto":
+        return name, None
+    if torch.device(device).type != "cuda":
+        return "sdpa", "[init] model.attention auto: sdpa (no GPU)"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_varlen", "[init] model.attention auto: flash_varlen (flash-attn is installed)"
+    return "varlen", "[init] model.attention auto: varlen (torch's FlashAttention kernels; flash-attn not installed)"
+
+
+def check_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+    """Raises :class:`BackendUnavailable` with a clear message when ``name`` cannot run on ``device`` with
+    ``dtype`` compute (None: not checked)."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise BackendUnavailable(f"model.attention: unknown backend '{name}'; allowed: {', '.join(BACKENDS)}")
@@ -46,9 +63,13 @@ def check_backend(name: str, device: torch.device | str) -> None:
             from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
         except ImportError as e:  # pragma: no cover - torch too old
             raise BackendUnavailable(f"model.attention 'flex' needs torch with FlexAttention: {e}") from None
-    if name in ("varlen", "flash_varlen") and device.type != "cuda":
+    if name in FLASH_BACKENDS and device.type != "cuda":
         raise BackendUnavailable(f"model.attention '{name}' needs a CUDA device; on {device.type} use one of: "
                                  f"{', '.join(CPU_BACKENDS)}")
+    if name in FLASH_BACKENDS and dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        raise BackendUnavailable(f"model.attention '{name}' runs FlashAttention kernels, which take bf16/fp16 only; "
+                                 f"this run computes in {str(dtype).removeprefix('torch.')}: set "
+                                 "training.param_dtype = 'bfloat16', or use 'sdpa' or 'flex' for fp32")
     if name == "varlen":
         try:
             from torch.nn.attention.varlen import varlen_attn  # noqa: F401
@@ -148,12 +169,14 @@ class AttentionBackend:
         if self.backend == "varlen":
             from torch.nn.attention.varlen import varlen_attn
 
+            kwargs, expand = varlen_kwargs(mask.causal)
+            if expand and k.shape[1] != h:  # GQA on a torch without enable_gqa: repeat each kv head
+                k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
             out = varlen_attn(
                 q.transpose(1, 2).reshape(b * t, h, d),
                 k.transpose(1, 2).reshape(b * t, k.shape[1], d),
                 v.transpose(1, 2).reshape(b * t, v.shape[1], d),
-                mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen,
-                window_size=(-1, 0) if mask.causal else (-1, -1), enable_gqa=True,
+                mask.cu_seqlens, mask.cu_seqlens, mask.max_seqlen, mask.max_seqlen, **kwargs,
             )
             return out.reshape(b, t, h, d).transpose(1, 2)
         from flash_attn import flash_attn_varlen_func
@@ -169,6 +192,27 @@ class AttentionBackend:
             causal=mask.causal,
         )
         return out.reshape(b, t, h, d).transpose(1, 2)
+
+
+def varlen_kwargs(causal: bool, params: set[str] | None = None) -> tuple[dict, bool]:
+    """Keyword arguments for the installed ``varlen_attn`` (``params``: its parameter names, read from its
+    signature by default) and whether key/value heads must be expanded (no ``enable_gqa``)."""
+    if params is None:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = set(inspect.signature(varlen_attn).parameters)
+    if "window_size" in params:
+        kwargs = {"window_size": (-1, 0) if causal else (-1, -1)}
+    elif "is_causal" in params:
+        kwargs = {"is_causal": causal}
+    else:
+        raise BackendUnavailable("model.attention 'varlen': this torch's varlen_attn takes neither window_size nor "
+                                 "is_causal; use 'flex' or 'flash_varlen'")
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs, "enable_gqa" not in params
 
 
 _COMPILED_FLEX = None

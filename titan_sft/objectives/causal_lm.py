@@ -162,7 +162,9 @@ class HeldOutLoss(Validator):
 
 class ExactMatchValidator(Validator):
     """After the final HF export, rank 0 greedily decodes the held-out prompts with transformers and reports the
-    exact-match accuracy of the last assistant turn (``titan_sft.evaluate``)."""
+    exact-match accuracy of the last assistant turn (``titan_sft.evaluate``). It decodes on the training device
+    (a GPU: bf16), so a large export is evaluated in seconds, well within the collective timeout the other ranks
+    wait under; on CPU it runs in fp32."""
 
     def __init__(self, path: str, max_new_tokens: int, max_examples: int):
         self.path, self.max_new_tokens, self.max_examples = path, max_new_tokens, max_examples
@@ -174,7 +176,10 @@ class ExactMatchValidator(Validator):
             return []
         from titan_sft.evaluate import evaluate_exact_match
 
-        acc, n = evaluate_exact_match(last_export, self.path, self.max_new_tokens, self.max_examples)
+        device = comm.device()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the training state stays resident: leave the export what is free
+        acc, n = evaluate_exact_match(last_export, self.path, self.max_new_tokens, self.max_examples, device)
         logger.info(f"[eval] exact-match accuracy of {last_export} on {n} held-out prompts: {acc:.1%}")
         return [{"split": "validation", "step": step, "exact_match": acc, "n_examples": n}]
 

@@ -51,7 +51,9 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     A plain ``python -m titan_sft.train`` (no torchrun) runs as a one-process group. The attention backend is
     checked against the device here, so an impossible choice stops the run before any work.
     """
-    from titan_sft.models.attention import BackendUnavailable, check_backend
+    from titan_sft.constants import DTYPES
+    from titan_sft.log import init_logging, logger
+    from titan_sft.models.attention import BackendUnavailable, check_backend, resolve_backend
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -68,8 +70,12 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_config(cfg, world)
     mesh, dp_flat = dims.build_mesh(device.type)
+    init_logging(rank)
+    cfg.model.attention, notice = resolve_backend(cfg.model.attention, device)
+    if notice:
+        logger.info(notice)
     try:
-        check_backend(cfg.model.attention, device)
+        check_backend(cfg.model.attention, device, DTYPES[cfg.training.param_dtype])
     except BackendUnavailable as e:
         raise ConfigError(str(e)) from None
     if cfg.training.deterministic:

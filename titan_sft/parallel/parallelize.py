@@ -16,15 +16,33 @@ from titan_sft.parallel.tensor_parallel import TPPlan, apply_tp, float8_tp_plan
 from titan_sft.registry import get_converter
 
 
-def _save_ops() -> set:
-    """Ops whose outputs selective AC keeps: matmuls, attention kernels (every variant that exists in this
-    torch build), reductions feeding float8 scales, and reduce-scatters (recomputing them would communicate)."""
-    names = ["aten.mm.default", "aten.linear.default", "aten.addmm.default", "aten.bmm.default",
-             "aten._scaled_dot_product_flash_attention.default",
+# Attention kernels as the AC policy sees them, per backend: sdpa's aten ops, torch's varlen custom op (and the
+# aten kernels it calls), flash-attn's custom ops (registered by flash-attn >= 2.6 under its own namespace).
+ATTENTION_SAVE_OPS = {
+    "sdpa": ["aten._scaled_dot_product_flash_attention.default",
              "aten._scaled_dot_product_efficient_attention.default",
              "aten._scaled_dot_product_cudnn_attention.default",
              "aten._scaled_dot_product_attention_math.default",
-             "aten._scaled_dot_product_flash_attention_for_cpu.default",
+             "aten._scaled_dot_product_flash_attention_for_cpu.default"],
+    "varlen": ["torch_attn._varlen_attn.default", "aten._flash_attention_forward.default",
+               "aten._cudnn_attention_forward.default"],
+    "flash_varlen": ["flash_attn._flash_attn_varlen_forward.default", "flash_attn._flash_attn_forward.default"],
+}
+
+
+def _save_ops() -> set:
+    """Ops whose outputs selective AC keeps: matmuls, attention kernels (every variant that exists in this
+    torch build, and flash-attn's where installed), reductions feeding float8 scales, and reduce-scatters
+    (recomputing them would communicate). Flex attention is a higher-order op, added as such."""
+    import importlib.util
+
+    # Custom ops exist only once their module has registered them.
+    import torch.nn.attention.varlen  # noqa: F401
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        import flash_attn  # noqa: F401
+    names = ["aten.mm.default", "aten.linear.default", "aten.addmm.default", "aten.bmm.default",
+             *(n for ops in ATTENTION_SAVE_OPS.values() for n in ops),
              "aten._scaled_mm.default", "aten.max.default",
              "_c10d_functional.reduce_scatter_tensor.default"]
     ops = set()
