@@ -29,7 +29,7 @@ from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
-from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, shutdown
+from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, init_sharded, shutdown
 from titan_sft.registry import get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
@@ -111,7 +111,7 @@ class Trainer:
 
     def _init_weights(self, model) -> None:
         """HF weights (each rank reads its own shards) or a seeded random init that is identical for any world
-        size: rank 0 builds the full state on CPU and every rank receives its shards (``broadcast_from_rank0``)."""
+        size (:func:`titan_sft.parallel.init_sharded`)."""
         if self.cfg.model.init_from_hf:
             load_hf_weights(model, self.args, self.cfg.model.hf_assets_path, self.spec)
             self._report_vocab()
@@ -123,18 +123,10 @@ class Trainer:
                 m.reset_converter_parameters(self.cfg.job.seed)
 
     def _random_init(self, model) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full = {}
-        if self.dist.rank == 0:
-            with torch.device("meta"):
-                cpu_model = self.spec.model_cls(self.args)
-            cpu_model.to_empty(device="cpu")
-            torch.manual_seed(self.cfg.job.seed)
-            cpu_model.init_weights()
-            full = cpu_model.state_dict()
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                   strict=False))
+        with torch.device("meta"):
+            reference = self.spec.model_cls(self.args)  # unconverted, unsharded: what the seed's numbers fill
+        torch.manual_seed(self.cfg.job.seed)
+        init_sharded(model, reference, self.dist.device)
 
     def _report_vocab(self) -> None:
         if self.dist.rank != 0 or not self.tokenizer_dir():

@@ -12,6 +12,7 @@ flavors never materialise whole on one host.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -210,15 +211,24 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
+    def init_parts(self, std: float = 0.02) -> list[tuple[str, Callable[[nn.Module], None]]]:
+        """The seeded init as (submodule name, init function of that submodule), in the order the random numbers are
+        drawn: running them in turn on one generator is :meth:`init_weights`, and lets a caller materialise one
+        submodule at a time (the trainer's sharded init never holds the whole model)."""
+        final_std = self.args.dim**-0.5
+        parts: list[tuple[str, Callable[[nn.Module], None]]] = [
+            ("tok_embeddings", lambda m: nn.init.normal_(m.weight, std=std))]
+        parts += [(f"layers.{i}", lambda m: m.init_weights(std)) for i in self.layers]
+        parts.append(("norm", lambda m: m.reset_parameters()))
+        if not self.args.tie_embeddings:
+            parts.append(("output", lambda m: nn.init.trunc_normal_(m.weight, std=final_std, a=-3 * final_std,
+                                                                    b=3 * final_std)))
+        return parts
+
     def init_weights(self, std: float = 0.02) -> None:
         """Seeded random init (call after ``to_empty``); the RNG order is fixed, so a seed fixes the weights."""
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for layer in self.layers.values():
-            layer.init_weights(std)
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
-            final_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, std=final_std, a=-3 * final_std, b=3 * final_std)
+        for name, init in self.init_parts(std):
+            init(self.get_submodule(name))
 
     def forward(
         self,

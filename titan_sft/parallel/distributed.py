@@ -107,6 +107,46 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     return norm.item()
 
 
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the segments activation checkpointing and compile insert."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+@torch.no_grad()
+def init_sharded(model: torch.nn.Module, reference: torch.nn.Module, device: torch.device) -> None:
+    """Seeded random init of a parallelized ``model`` from ``reference`` (the same architecture on the meta device,
+    exposing ``init_parts()``), identical for any world size and layout.
+
+    Rank 0 materialises one part at a time (the embedding, each block, ...) on ``device``, draws its numbers with
+    the current default generator in the model's own order, so the values equal ``reference.init_weights()`` on
+    one device, and every rank takes its shards of each tensor (``distribute_tensor`` from rank 0). The whole
+    model never exists in one place: the peak is the largest part (Qwen3's embedding), and a GPU run never builds it
+    on the host. A GPU draws other numbers than a CPU (another generator), the same for every layout.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = {unwrapped_name(n): p for n, p in model.named_parameters()}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, init in reference.init_parts():
+        part = reference.get_submodule(name)
+        part.to_empty(device=device)  # shapes on every rank; the numbers come from rank 0
+        if rank == 0:
+            init(part)
+        for key, full in part.named_parameters():
+            target = params[f"{name}.{key}"]
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(full.detach(), target.device_mesh, target.placements, src_data_rank=0)
+                target.to_local().copy_(shard.to_local())
+            else:
+                target.copy_(comm.broadcast(full.detach(), 0, what="random init"))
+        part.to_empty(device="meta")
+
+
 def shutdown() -> None:
     """Waits for every rank, then tears the process group down (gloo needs the barrier first)."""
     dist.barrier()
