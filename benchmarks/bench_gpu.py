@@ -1,45 +1,83 @@
-"""GPU training throughput of the real trainer: Qwen3-1.7B and 4B with random weights, packed 8k and 32k rows,
-bf16 compute with fp32 master weights, chunked loss. One GPU.
+"""GPU training throughput of the real trainer, case by case, several cases in one process (imports, CUDA context
+and compile caches shared): Qwen3-4B / 1.7B with random weights on packed 8k rows, bf16 compute with fp32 master
+weights, chunked loss, one GPU. benchmarks/gpu_check.sh calls it once per phase.
 
-    python benchmarks/bench_gpu.py --out benchmarks/results/gpu.jsonl [--flavors 1.7B,4B] [--seq-lens 8192,32768]
-    python benchmarks/bench_gpu.py --matrix --out gpu_check.json --table gpu_check.md   # gpu_check.sh's cases
+    python benchmarks/bench_gpu.py --cases 4b_bf16_compile_varlen,4b_bf16_compile_varlen_sac \\
+        --jsonl OUT/gpu_check.jsonl --table OUT/gpu_check.md [--steps 6] [--rehearse]
+    python benchmarks/bench_gpu.py --list
 
-``--matrix`` runs the comparison of benchmarks/gpu_check.sh at 8k: bf16 vs float8 rowwise/tensorwise, compile on
-and off (blocks, and the loss), activation checkpointing modes, and attention varlen vs flex vs flash_varlen.
+Every case trains ``--steps`` steps on a synthetic packed dataset (random tokens, documents of 256-4096 tokens,
+every position loss-carrying) and appends one JSON line: median tokens/s per GPU, both MFUs (``mfu``: the FLOPs the
+step did, titan_sft.metrics.FlopCounter; ``mfu_torchtitan``: torchtitan's 6N + 12LHDS convention), TFLOP/s and peak
+memory over the steps after the first two (warm-up, compile). The markdown table is rewritten from all lines after
+every case, with each case's tokens/s as a ratio to the baseline case it names. A failing case (OOM, missing
+kernel) is a line with its error, and the next case runs.
 
-Writes a synthetic packed dataset (random tokens, documents of random length, all positions loss-carrying),
-runs ``python -m titan_sft.train`` for ``--steps`` steps per case, and prints the median tokens/s per GPU, MFU
-and peak memory over the steps after the first two (warm-up).
+``--rehearse`` runs the same cases with tiny shapes on the CPU (debug flavor, 256-token rows, sdpa, no compile):
+every path and output file of the GPU check, proven without a GPU.
 """
 
+from __future__ import annotations
+
 import argparse
+import gc
 import json
+import os
+import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+VOCAB = 151669  # Qwen3's tokenizer
+DEBUG_VOCAB = 512  # the debug flavor's embedding rows
+
+_C = ["--training.compile", "true"]
+_VARLEN = ["--model.attention", "varlen"]
+_SAC = ["--training.activation_checkpoint", "selective"]
+_F8 = ["--training.float8", "true"]
+# name: (flavor, overrides, baseline case for the ratio column, what it shows). AC is off unless named.
+CASES: dict[str, tuple[str, list[str], str | None, str]] = {
+    "4b_bf16_compile_varlen": ("4B", _C + _VARLEN, None, "the MFU goal's case"),
+    "4b_bf16_compile_varlen_sac": ("4B", _C + _VARLEN + _SAC, "4b_bf16_compile_varlen", "selective AC's cost"),
+    "4b_f8_rowwise_compile_varlen": ("4B", _C + _VARLEN + _F8, "4b_bf16_compile_varlen", "float8 goal: >= 1.25x"),
+    "4b_f8_tensorwise_compile_varlen": ("4B", _C + _VARLEN + _F8 + [
+        "--training.float8_recipe", "tensorwise", "--training.skip_startup_checks", "true"],
+        "4b_bf16_compile_varlen", "float8 goal: >= 1.25x"),
+    "1.7b_bf16_compile_varlen": ("1.7B", _C + _VARLEN, None, "the smaller recipe size"),
+    "4b_bf16_eager_varlen": ("4B", _VARLEN, "4b_bf16_compile_varlen", "what compile buys"),
+    "4b_bf16_compile_loss_varlen": ("4B", _C + _VARLEN + ["--training.compile_loss", "true"],
+                                    "4b_bf16_compile_varlen", "compiled loss math"),
+    "4b_bf16_compile_varlen_full_ac": ("4B", _C + _VARLEN + ["--training.activation_checkpoint", "full"],
+                                       "4b_bf16_compile_varlen", "the recipe configs' AC"),
+    "1.7b_bf16_compile_flex": ("1.7B", _C + ["--model.attention", "flex"], "1.7b_bf16_compile_varlen",
+                               "flex in the trainer"),
+    "1.7b_bf16_compile_flash_varlen": ("1.7B", _C + ["--model.attention", "flash_varlen"],
+                                       "1.7b_bf16_compile_varlen", "flash-attn (where installed)"),
+}
 
 
 def write_synthetic_dataset(path: Path, n_packs: int, seq_len: int, vocab: int, seed: int = 0) -> None:
+    """A packed dataset in titan_sft's layout: random tokens, documents of random length, all loss-carrying."""
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
     tokens = rng.integers(0, vocab, size=(n_packs, seq_len), dtype=np.int32)
-    mask = np.ones((n_packs, seq_len), dtype=np.uint8)
     doc_lens, offsets = [], [0]
+    lo, hi = (min(256, seq_len // 4), min(4096, seq_len))
     for _ in range(n_packs):
         left = seq_len
         while left > 0:
-            n = int(min(left, rng.integers(256, 4096)))
+            n = int(min(left, rng.integers(lo, hi)))
             doc_lens.append(n)
             left -= n
         offsets.append(len(doc_lens))
     np.save(path / "tokens.npy", tokens)
-    np.save(path / "assistant_mask.npy", mask)
+    np.save(path / "assistant_mask.npy", np.ones((n_packs, seq_len), dtype=np.uint8))
     np.save(path / "doc_lens.npy", np.asarray(doc_lens, dtype=np.int32))
     np.save(path / "pack_offsets.npy", np.asarray(offsets, dtype=np.int64))
     np.save(path / "assistant_counts.npy", np.full(n_packs, seq_len - 1, dtype=np.int64))
@@ -49,119 +87,175 @@ def write_synthetic_dataset(path: Path, n_packs: int, seq_len: int, vocab: int, 
         "vocab_size": vocab, "tokenizer": ""}))
 
 
-# (name, flavor, overrides) at 8k packed rows; the first is the reference the others are compared with.
-MATRIX = [
-    ("4B bf16 compile varlen AC full", "4B", ["--training.compile", "true", "--model.attention", "varlen"]),
-    ("4B bf16 compile varlen AC selective", "4B", ["--training.compile", "true", "--model.attention", "varlen",
-                                                   "--training.activation_checkpoint", "selective"]),
-    ("4B float8 rowwise compile varlen", "4B", ["--training.compile", "true", "--model.attention", "varlen",
-                                                "--training.float8", "true"]),
-    ("4B float8 tensorwise compile varlen", "4B", ["--training.compile", "true", "--model.attention", "varlen",
-                                                   "--training.float8", "true", "--training.float8_recipe", "tensorwise",
-                                                   "--training.skip_startup_checks", "true"]),
-    ("4B bf16 compile+loss varlen AC full", "4B", ["--training.compile", "true", "--model.attention", "varlen",
-                                                  "--training.compile_loss", "true"]),
-    ("4B bf16 eager varlen", "4B", ["--model.attention", "varlen"]),
-    ("1.7B bf16 compile flex", "1.7B", ["--training.compile", "true", "--model.attention", "flex"]),
-    ("1.7B bf16 compile flash_varlen", "1.7B", ["--training.compile", "true", "--model.attention", "flash_varlen"]),
-]
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def run_case(data: Path, dump: Path, flavor: str, steps: int, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "titan_sft.train", "--config", "train_configs/qwen3_1_7b.toml",
-           "--model.flavor", flavor, "--model.init_from_hf", "false", "--data.path", str(data),
-           "--training.steps", str(steps), "--training.global_batch_size", "2", "--training.loss_groups", "1",
-           "--checkpoint.enable", "false", "--checkpoint.hf_export_interval", "-1", "--metrics.log_freq", "1",
-           "--metrics.enable_tensorboard", "false", "--validation.generation_eval_path", "",
-           "--job.dump_folder", str(dump), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": (proc.stdout[-1000:] + proc.stderr[-2000:])}
-    recs = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()][2:]
-    return {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in recs),
-            "mfu": statistics.median(x["mfu"] for x in recs) if recs[0]["mfu"] is not None else None,
-            "memory_gib": max(x["memory_gib"] for x in recs)}
+def case_argv(name: str, data: Path, dump: Path, steps: int, rehearse: bool) -> list[str]:
+    flavor, overrides, _, _ = CASES[name]
+    if rehearse:  # tiny shapes on the CPU: no compile, sdpa for the GPU-only kernels
+        flavor = "debug"
+        swap = {"varlen": "sdpa", "flash_varlen": "sdpa", "flex": "sdpa"}
+        out, i = [], 0
+        while i < len(overrides):
+            key, value = overrides[i], overrides[i + 1]
+            if key == "--training.compile" or key == "--training.compile_loss":
+                value = "false"
+            if key == "--model.attention":
+                value = swap.get(value, value)
+            out += [key, value]
+            i += 2
+        overrides = out
+    return ["--model.flavor", flavor, "--model.init_from_hf", "false", "--model.hf_assets_path", "",
+            "--model.tokenizer_path", "", "--data.path", str(data), "--training.steps", str(steps),
+            "--training.global_batch_size", "2", "--training.loss_groups", "1",
+            "--training.param_dtype", "float32" if rehearse else "bfloat16",
+            "--training.activation_checkpoint", "none", "--checkpoint.enable", "false",
+            "--checkpoint.hf_export_interval", "-1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+            "false", "--job.dump_folder", str(dump), *overrides]
 
 
-def matrix(steps: int, out: str | None, table: str | None) -> None:
-    results = []
-    with tempfile.TemporaryDirectory() as d:
-        data = Path(d) / "data8k"
-        write_synthetic_dataset(data, 16, 8192, 151669)
-        for i, (name, flavor, overrides) in enumerate(MATRIX):
-            r = {"case": name, **run_case(data, Path(d) / f"run{i}", flavor, steps, overrides)}
-            results.append(r)
-            print(json.dumps(r), flush=True)
-            if out:  # after every case: a time limit still leaves the finished ones
-                Path(out).write_text(json.dumps(results, indent=2))
-    ref = {r["case"].split()[0]: r for r in results if "error" not in r
-           and r["case"].split()[1:3] == ["bf16", "compile"]}  # the bf16 + compile case of each size
-    lines = ["| case | tokens/s/GPU | vs bf16 compile varlen | MFU % | peak GiB |", "|---|---|---|---|---|"]
-    for r in results:
+def run_case(name: str, data: Path, dump: Path, steps: int, rehearse: bool) -> dict:
+    """One case in this process; returns its JSON record (an ``error`` field where it failed)."""
+    import torch
+    import torch.distributed as dist
+
+    from titan_sft.config import load_config
+    from titan_sft.train import Trainer
+
+    os.environ["MASTER_PORT"] = str(_free_port())  # a fresh process group per case
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.monotonic()
+    trainer = None
+    try:
+        cfg = load_config("train_configs/qwen3_1_7b.toml", case_argv(name, data, dump, steps, rehearse))
+        trainer = Trainer(cfg)
+        trainer.train()
+        attention = cfg.model.attention
+    except Exception as e:  # a case's failure is its record; the next case still runs
+        return {"case": name, "baseline": CASES[name][2], "note": CASES[name][3],
+                "error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:],
+                "wall_s": time.monotonic() - t0}
+    finally:
+        if trainer is not None:
+            trainer.close()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        del trainer
+        gc.collect()
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    recs = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r.get("split") == "train"][2:]  # warm-up and compile steps left out
+
+    def median(key):
+        values = [r[key] for r in recs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    mem = [r["memory_gib"] for r in recs if r.get("memory_gib") is not None]
+    return {"case": name, "baseline": CASES[name][2], "note": CASES[name][3],
+            "flavor": CASES[name][0] if not rehearse else "debug", "attention": attention,
+            "steps_measured": len(recs), "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"),
+            "mfu_torchtitan": median("mfu_torchtitan"), "tflops": median("tflops"),
+            "memory_gib": max(mem) if mem else None, "loss_last": recs[-1]["loss"] if recs else None,
+            "wall_s": time.monotonic() - t0, "rehearsal": rehearse}
+
+
+def _fmt(v, spec):
+    return "n/a" if v is None else format(v, spec)
+
+
+def write_table(jsonl: Path, table: Path) -> None:
+    """The markdown table of every case in ``jsonl`` (the latest record of each), ratios to named baselines."""
+    results: dict[str, dict] = {}
+    for line in jsonl.read_text().splitlines() if jsonl.exists() else []:
+        r = json.loads(line)
+        results[r["case"]] = r
+    lines = ["| case | tokens/s/GPU | vs baseline | MFU % (done) | MFU % (torchtitan) | TFLOP/s | peak GiB | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        note = r.get("note", "")
         if "error" in r:
-            lines.append(f"| {r['case']} | failed: {r['error'][-200:].splitlines()[-1] if r['error'] else ''} | | | |")
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[0][:160]} | | | | | | {note} |")
             continue
-        base = ref.get(r["case"].split()[0])
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
-        mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "n/a"
-        lines.append(f"| {r['case']} | {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {r['memory_gib']:.1f} |")
-    print("\n".join(lines))
-    if out:
-        Path(out).write_text(json.dumps(results, indent=2))
-    if table:
-        Path(table).write_text("\n".join(lines) + "\n")
+        base_name = r.get("baseline")
+        base = results.get(base_name) if base_name else None
+        ratio = (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x {base_name}"
+                 if base and "error" not in base and base.get("tokens_per_s") and r.get("tokens_per_s") else "")
+        lines.append(f"| {name} | {_fmt(r['tokens_per_s'], ',.0f')} | {ratio} | {_fmt(r['mfu'], '.1f')} | "
+                     f"{_fmt(r.get('mfu_torchtitan'), '.1f')} | {_fmt(r['tflops'], '.3g')} | "
+                     f"{_fmt(r['memory_gib'], '.1f')} | {note} |")
+    tmp = table.with_suffix(table.suffix + ".partial")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(table)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--matrix", action="store_true", help="the gpu_check.sh comparison at 8k")
-    ap.add_argument("--table", default=None, help="with --matrix: write the markdown table here")
-    ap.add_argument("--flavors", default="1.7B,4B")
-    ap.add_argument("--seq-lens", default="8192,32768")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--attention", default="flash_varlen", help="falls back to flex when flash-attn is missing")
-    ap.add_argument("--out", default=None)
+def summary(jsonl: Path, table: Path) -> int:
+    """The table, then the GPU goals of docs/performance.md against what was measured."""
+    write_table(jsonl, table)
+    print(table.read_text())
+    results = {}
+    for line in jsonl.read_text().splitlines():
+        r = json.loads(line)
+        results[r["case"]] = r
+    base = results.get("4b_bf16_compile_varlen", {})
+    mfu = base.get("mfu")
+    print(f"goal: Qwen3-4B 8k bf16 + compile MFU (FLOPs done) >= 45%: "
+          f"{'not measured' if mfu is None else f'{mfu:.1f}% ' + ('met' if mfu >= 45 else 'NOT met')}")
+    for case in ("4b_f8_rowwise_compile_varlen", "4b_f8_tensorwise_compile_varlen"):
+        r = results.get(case, {})
+        if r.get("tokens_per_s") and base.get("tokens_per_s"):
+            x = r["tokens_per_s"] / base["tokens_per_s"]
+            print(f"goal: {case} >= 1.25x bf16 tokens/s: {x:.2f}x {'met' if x >= 1.25 else 'NOT met'}")
+        else:
+            print(f"goal: {case} >= 1.25x bf16 tokens/s: not measured")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="", help="comma-separated case names (--list shows them)")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--summary", action="store_true", help="print the table and the goals from --jsonl, and exit")
+    ap.add_argument("--steps", type=int, default=6, help="steps per case; the first two are not measured")
+    ap.add_argument("--seq-len", type=int, default=8192, help="packed row length (rehearsal: 256)")
+    ap.add_argument("--jsonl", required=False, default="benchmarks/results/gpu_check.jsonl")
+    ap.add_argument("--table", required=False, default="benchmarks/results/gpu_check.md")
+    ap.add_argument("--rehearse", action="store_true", help="tiny shapes on the CPU (see the module docstring)")
     a = ap.parse_args()
-    if a.matrix:
-        matrix(a.steps, a.out, a.table)
-        return
-    import importlib.util
-
-    attention = a.attention
-    if attention == "flash_varlen" and importlib.util.find_spec("flash_attn") is None:
-        attention = "flex"
-    results = []
+    if a.list:
+        for name, (flavor, overrides, base, note) in CASES.items():
+            print(f"{name:36s} {flavor:5s} vs {base or '-':28s} {note}")
+        return 0
+    if a.summary:
+        return summary(Path(a.jsonl), Path(a.table))
+    names = [n for n in a.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"error: unknown case(s) {unknown}; --list shows them", file=sys.stderr)
+        return 2
+    os.chdir(ROOT)
+    jsonl, table = Path(a.jsonl), Path(a.table)
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    seq_len = 256 if a.rehearse else a.seq_len
     with tempfile.TemporaryDirectory() as d:
-        for seq_len in map(int, a.seq_lens.split(",")):
-            data = Path(d) / f"data{seq_len}"
-            write_synthetic_dataset(data, 16, seq_len, 151669)
-            for flavor in a.flavors.split(","):
-                dump = Path(d) / f"run_{flavor}_{seq_len}"
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                       "-m", "titan_sft.train", "--config", "train_configs/qwen3_1_7b.toml",
-                       "--model.flavor", flavor, "--model.init_from_hf", "false", "--model.attention", attention,
-                       "--data.path", str(data), "--training.steps", str(a.steps),
-                       "--training.global_batch_size", "2", "--training.loss_groups", "1",
-                       "--checkpoint.enable", "false", "--checkpoint.hf_export_interval", "-1",
-                       "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump)]
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    print(f"{flavor} {seq_len}: FAILED\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
-                    results.append({"flavor": flavor, "seq_len": seq_len, "error": proc.stderr[-1000:]})
-                    continue
-                recs = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()][2:]
-                r = {"flavor": flavor, "seq_len": seq_len, "attention": attention,
-                     "tokens_per_s": statistics.median(x["tokens_per_s"] for x in recs),
-                     "mfu": statistics.median(x["mfu"] for x in recs) if recs[0]["mfu"] is not None else None,
-                     "memory_gib": max(x["memory_gib"] for x in recs)}
-                results.append(r)
-                print(f"Qwen3-{flavor} seq {seq_len}: {r['tokens_per_s']:,.0f} tokens/s/GPU, MFU "
-                      f"{r['mfu'] if r['mfu'] is None else round(r['mfu'], 1)}%, peak {r['memory_gib']:.1f} GiB", flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in results))
+        data = Path(d) / "data"
+        write_synthetic_dataset(data, 16, seq_len, DEBUG_VOCAB if a.rehearse else VOCAB)
+        for i, name in enumerate(names):
+            print(f"[bench_gpu] case {name} ...", flush=True)
+            r = run_case(name, data, Path(d) / f"run{i}", a.steps, a.rehearse)
+            with jsonl.open("a") as f:
+                f.write(json.dumps(r) + "\n")
+            write_table(jsonl, table)
+            print(json.dumps({k: v for k, v in r.items() if k != "trace"}), flush=True)
+            if "trace" in r:
+                print(r["trace"], flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

