@@ -3,6 +3,7 @@
 # exists, installing what is missing (and saying so). Re-installs when pyproject.toml changes.
 #   TITAN_SFT_VENV   where the environment lives (default: .venv in the repository)
 #   TITAN_SFT_EXTRAS extras to install (default: dev for tests, none for training)
+#   TITAN_SFT_TORCH_INDEX  index URL for torch on a machine without a GPU (the PyTorch CPU wheel index)
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="${TITAN_SFT_VENV:-$_root/.venv}"
@@ -29,8 +30,10 @@ if ! _installed; then
     echo "[setup] GPU found: installing titan_sft with a CUDA build of torch"
   elif ! python -c "import torch" >/dev/null 2>&1; then
     # No GPU: pin the CPU build so pip does not pull a multi-GB CUDA wheel.
-    echo "[setup] no GPU: installing torch==2.13.0 (CPU build)"
-    python -m pip install -q "torch==2.13.0"
+    # The CPU build comes from the CPU wheel index where one is configured (TITAN_SFT_TORCH_INDEX); otherwise from
+    # pip's own indexes (PyPI alone serves the CUDA build for Linux).
+    echo "[setup] no GPU: installing torch==2.13.0${TITAN_SFT_TORCH_INDEX:+ from $TITAN_SFT_TORCH_INDEX}"
+    python -m pip install -q "torch==2.13.0" ${TITAN_SFT_TORCH_INDEX:+--index-url "$TITAN_SFT_TORCH_INDEX"}
   fi
   _spec="$_root"
   [ -n "$_extras" ] && _spec="$_root[$_extras]"

@@ -81,7 +81,8 @@ class FlopCounter:
 
 
 class MetricsLogger:
-    """Rank 0 writes; every rank may call. ``flops_per_token`` feeds MFU (null where the peak is unknown)."""
+    """Rank 0 writes; every rank may call. ``flops`` (a :class:`FlopCounter`) feeds both MFUs (null where the
+    device's peak is unknown)."""
 
     def __init__(self, job_cfg: JobConfig, rank: int, device: torch.device, total_steps: int, flops: FlopCounter):
         cfg, dump_folder = job_cfg.metrics, job_cfg.job.dump_folder
