@@ -10,7 +10,7 @@ Without a GPU every tensor is on the CPU, so a tensor that a GPU run would leave
 by its device. ``TITAN_SFT_CHECK_COLLECTIVE_DEVICES=1`` makes the difference visible on a CPU run: tensors made by a
 factory function (``torch.tensor``, ``torch.zeros``, ...) without an explicit ``device`` are marked as host tensors,
 so are tensors computed only from such tensors, and ``.to(device)`` of one gives an unmarked copy (as on a GPU);
-a collective on a marked tensor then fails exactly where NCCL would. The tests run the trainer this way.
+a collective on a marked tensor then fails exactly where NCCL would. The CPU tests run the trainer this way.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ class CollectiveDeviceError(RuntimeError):
 
 
 def set_device(device: torch.device) -> None:
-    """Sets the compute device the trainer's collectives run on (and turns on the host-tensor check when
-    ``TITAN_SFT_CHECK_COLLECTIVE_DEVICES=1``)."""
+    """Sets the compute device the trainer's collectives run on (and, on a CPU run, turns on the host-tensor check
+    when ``TITAN_SFT_CHECK_COLLECTIVE_DEVICES=1``; on a GPU the device itself tells)."""
     global _device
     _device = torch.device(device)
-    if os.environ.get(CHECK_ENV) == "1":
+    if os.environ.get(CHECK_ENV) == "1" and _device.type == "cpu":
         enable_host_tensor_check()
 
 
