@@ -35,8 +35,14 @@ def test_no_module_calls_a_tensor_collective_around_comm():
     assert not offenders, offenders
 
 
-def test_marker_flags_host_tensors_and_passes_device_ones(monkeypatch):
+@pytest.fixture
+def marker():
     comm.enable_host_tensor_check()
+    yield
+    comm.disable_host_tensor_check()
+
+
+def test_marker_flags_host_tensors_and_passes_device_ones(monkeypatch, marker):
     host = torch.zeros(3, dtype=torch.float64)
     derived = host * 2 + 1  # computed from host tensors only: still on the host on a GPU
     with pytest.raises(comm.CollectiveDeviceError, match="host.*NCCL"):

@@ -117,8 +117,16 @@ _marker: _HostTensorMarker | None = None
 
 
 def enable_host_tensor_check() -> None:
-    """Turns on host-tensor marking in this thread for the rest of the process (idempotent)."""
+    """Turns on host-tensor marking in this thread until :func:`disable_host_tensor_check` (idempotent)."""
     global _marker
     if _marker is None:
         _marker = _HostTensorMarker()
         _marker.__enter__()
+
+
+def disable_host_tensor_check() -> None:
+    """Turns host-tensor marking off again (the trainer's shutdown calls it: a process may run more after)."""
+    global _marker
+    if _marker is not None:
+        _marker.__exit__(None, None, None)
+        _marker = None

@@ -151,6 +151,7 @@ def shutdown() -> None:
     """Waits for every rank, then tears the process group down (gloo needs the barrier first)."""
     dist.barrier()
     dist.destroy_process_group()
+    comm.disable_host_tensor_check()
 
 
 def new_transient_group() -> dist.ProcessGroup | None:
