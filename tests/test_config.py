@@ -64,3 +64,16 @@ def test_parse_overrides_forms():
     assert parse_overrides(["--a.b", "1", "--c.d=2", "--e.f"]) == [("a", "b", "1"), ("c", "d", "2"), ("e", "f", "true")]
     with pytest.raises(ConfigError, match="unexpected argument"):
         parse_overrides(["steps"])
+
+
+@pytest.mark.parametrize("module", ["titan_sft.train", "titan_sft.data.prepare", "titan_sft.data.prepare_diffusion",
+                                    "titan_sft.convert", "titan_sft.generate", "titan_sft.evaluate",
+                                    "titan_sft.download"])
+def test_every_cli_help_runs(module):
+    """argparse %-formats help texts: a literal % (the chat template's {% generation %}) must not crash --help."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage:" in r.stdout

@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", required=True, help="local HF tokenizer directory")
     ap.add_argument("--seq-len", type=int, required=True, help="packed example length (tokens)")
     ap.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {% generation %} markers")
+    ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {%% generation %%} markers")
     ap.add_argument("--packing", choices=["greedy", "bfd"], default="greedy")
     ap.add_argument("--overlength", choices=["truncate", "drop"], default="truncate")
     ap.add_argument("--on-bad-row", choices=["error", "skip"], default="error")

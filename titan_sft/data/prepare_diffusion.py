@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="earlier user/assistant pairs kept in a prompt (-1: all)")
     ap.add_argument("--history-prob", type=float, default=1.0,
                     help="with --max-history-turns: probability of keeping that history (else none)")
-    ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {% generation %} markers")
+    ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {%% generation %%} markers")
     ap.add_argument("--overlength", choices=["drop", "truncate"], default="drop",
                     help="an example longer than --seq-len: drop it, or cut its answer")
     ap.add_argument("--on-bad-row", choices=["error", "skip"], default="error")
