@@ -13,6 +13,7 @@ previous checkpoint intact and a ``*.partial`` is never resumed from or exported
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import time
@@ -143,13 +144,54 @@ def find_checkpoints(dump_folder: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda x: (x[0], x[1].name != "checkpoints-temp"), reverse=True)
 
 
-def run_folder(dump_folder: str, resume: str) -> str:
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def gather_rng_states() -> list[dict]:
+    """Every rank's RNG states, rank by rank (collective): the CPU generator and, on a GPU, the generator of the
+    rank's own device. Ranks draw differently (rank 0 alone draws the random init; dropout masks are per rank),
+    so a resumed run needs each rank's own state to continue exactly."""
+    mine = {"cpu": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        mine["cuda"] = _b64(torch.cuda.get_rng_state())
+    if not dist.is_initialized():
+        return [mine]
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def restore_rng_state(meta: dict) -> None:
+    """Sets this rank's generators from a checkpoint's ``rng`` (its own entry; rank 0's when the world size
+    changed, where the old streams cannot continue anyway). Reads the CPU-only ``torch_rng`` of older checkpoints."""
+    if "rng" not in meta:
+        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        return
+    states = meta["rng"]
+    r = rank() if len(states) == (dist.get_world_size() if dist.is_initialized() else 1) else 0
+    torch.set_rng_state(_unb64(states[r]["cpu"]))
+    if torch.cuda.is_available() and "cuda" in states[r]:
+        torch.cuda.set_rng_state(_unb64(states[r]["cuda"]))
+
+
+def run_folder(dump_folder: str, resume: str, checkpoint_enabled: bool = True) -> str:
     """The run's output folder: ``dump_folder``, unless it holds an earlier run (a metrics.jsonl) that this run
-    does not resume (``resume`` none, or auto without a complete checkpoint there); then the first free
-    ``<dump_folder>-<n>``, so an earlier run is never overwritten."""
+    does not continue; then the first free ``<dump_folder>-<n>``, so an earlier run is never overwritten.
+
+    A run continues the one in ``dump_folder`` only when it resumes from a checkpoint of that folder: ``resume =
+    "auto"`` with a complete checkpoint there, or ``resume`` naming one inside it, and checkpoints enabled (with
+    ``checkpoint.enable = false`` nothing is resumed). Resuming another run's checkpoint starts a new folder."""
     root = Path(dump_folder)
-    if not (root / "metrics.jsonl").exists() or (resume == "auto" and find_checkpoints(root)) or resume not in (
-            "auto", "none"):
+    if not (root / "metrics.jsonl").exists():
+        return dump_folder
+    if checkpoint_enabled and resume == "auto" and find_checkpoints(root):
+        return dump_folder
+    if checkpoint_enabled and resume not in ("auto", "none") and Path(resume).resolve().is_relative_to(root.resolve()):
         return dump_folder
     n = 1
     while Path(f"{dump_folder}-{n}").exists():
@@ -208,7 +250,7 @@ class CheckpointManager:
             "time": time.time(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "torch_rng": torch.get_rng_state().tolist(),
+            "rng": gather_rng_states(),
             "config": self.run_config,
         }
         # Every save runs its collectives on a group of its own, released when the save is complete: a long-lived
@@ -323,7 +365,7 @@ class CheckpointManager:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         self.sampler.load_state_dict(meta["sampler"])
-        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        restore_rng_state(meta)
         return int(meta["step"])
 
     def load_weights(self, path: Path) -> int:

@@ -19,8 +19,13 @@ def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch
     since there leaks could run either way. (Changing only the later document proves nothing under causal
     attention: it is shielded from the earlier one anyway.)
     """
-    with torch.compiler.set_stance("force_eager"):  # a [1, 256] row must not make compiled blocks recompile
-        _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint)
+    was_training = model.training
+    model.eval()  # dropout (LoRA's) would change the hidden states between the two forwards by itself
+    try:
+        with torch.compiler.set_stance("force_eager"):  # a [1, 256] row must not make compiled blocks recompile
+            _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint)
+    finally:
+        model.train(was_training)
 
 
 def _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint) -> None:

@@ -41,7 +41,7 @@ class Trainer:
         self._install_signal_handlers()  # early: a preemption warning during start-up must not kill the rank
         self.dist = d = init_distributed(cfg)
         init_logging(d.rank)
-        folder = [run_folder(cfg.job.dump_folder, cfg.checkpoint.resume) if d.rank == 0 else None]
+        folder = [run_folder(cfg.job.dump_folder, cfg.checkpoint.resume, cfg.checkpoint.enable) if d.rank == 0 else None]
         torch.distributed.broadcast_object_list(folder, src=0)  # every rank writes into the same folder
         if folder[0] != cfg.job.dump_folder:
             logger.info(f"[init] {cfg.job.dump_folder} holds an earlier run that this one does not resume: writing "
@@ -60,6 +60,7 @@ class Trainer:
                                                pin_memory=d.device.type == "cuda")
         self.dataset, self.sampler = self.loader.dataset, self.loader.sampler
         self.seq_len = self.dataset.seq_len
+        self.objective.check_dataset(self.dataset)
         self.total_steps = total_steps(cfg, self.sampler.n_packs)  # the packs trained on
 
         # ---- model: meta -> parallelize -> materialise -> init or load

@@ -115,3 +115,18 @@ class PackedDataset:
                     for f, line in np.asarray(self.doc_sources[lo:hi])]
             parts.append(f"pack {p}: {', '.join(rows)}")
         return "; ".join(parts)
+
+
+class PackSubset:
+    """The packs ``ids`` of ``dataset``, indexed 0..len-1 like a dataset (the held-out split of
+    ``validation.holdout_fraction``)."""
+
+    def __init__(self, dataset: PackedDataset, ids):
+        self.dataset, self.ids = dataset, np.asarray(ids, dtype=np.int64)
+        self.manifest, self.path, self.seq_len = dataset.manifest, dataset.path, dataset.seq_len
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        return self.dataset[int(self.ids[i])]

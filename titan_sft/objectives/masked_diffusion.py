@@ -209,6 +209,13 @@ class MaskedDiffusion(Objective):
         self.denoms = self.denominators(stats).clamp(min=1.0)
         return None
 
+    def check_dataset(self, dataset) -> None:
+        """``split_loss`` normalises the answer and its EOS padding separately: a dataset without that padding
+        (prepared without --eos-pad) would silently rescale the loss."""
+        if self.cfg.objective.split_loss and not dataset.manifest.get("eos_pad"):
+            raise ConfigError(f"config key 'objective.split_loss': true needs a dataset whose answers are padded with "
+                              f"end-of-turn tokens (prepare_diffusion --eos-pad); {dataset.path} has no padding")
+
     def head_positions(self, mb: DiffusionMicrobatch) -> int:
         return len(mb.rows)  # the head runs at the masked positions only
 
@@ -229,7 +236,7 @@ class MaskedDiffusion(Objective):
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
         v = self.cfg.validation
         validators: list[Validator] = []
-        if v.path or v.test_path:
+        if v.path or v.holdout_fraction or v.test_path:
             validators.append(DenoisingValidator(self))
         if v.generation_eval_path and v.generation_every:
             validators.append(GenerationValidator(self, model))
@@ -247,12 +254,19 @@ class DenoisingValidator(Validator):
     """
 
     def __init__(self, objective: MaskedDiffusion):
-        from titan_sft.data.dataset import PackedDataset
+        from titan_sft.data.dataset import PackedDataset, PackSubset
+        from titan_sft.data.sampler import holdout_split
 
         cfg = objective.cfg
         v = cfg.validation
         self.objective, self.cfg = objective, cfg
-        self.validation = PackedDataset(v.path) if v.path else None
+        if v.path:
+            self.validation = PackedDataset(v.path)
+        elif v.holdout_fraction:  # the packs the sampler keeps out of training
+            held = holdout_split(len(PackedDataset(cfg.data.path)), v.holdout_fraction, v.holdout_seed)[1]
+            self.validation = PackSubset(PackedDataset(cfg.data.path), held)
+        else:
+            self.validation = None
         self.test = PackedDataset(v.test_path) if v.test_path else None
         self.interval, self.keep_best = v.interval, v.keep_best and self.validation is not None
         self.per_device = cfg.training.per_device_batch
