@@ -25,3 +25,6 @@ def test_run_train_debug_job_learns_the_task(tmp_path):
     assert "exact-match accuracy" in proc.stdout
     assert (tmp_path / "hf" / "step-249" / "model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-100", "step-200", "step-249"]
+    # Only our lines and real warnings: no torchao kernel-library noise, no torch pytree deprecation for torchao.
+    output = proc.stdout + proc.stderr
+    assert "Failed to load" not in output and "is an Enum subclass" not in output

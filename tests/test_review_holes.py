@@ -112,3 +112,29 @@ def test_cuda_rng_state_is_saved_and_restored(monkeypatch):
     checkpoint.restore_rng_state({"rng": saved})
     assert torch.equal(state["cuda"], torch.arange(16, dtype=torch.uint8))
     assert torch.equal(torch.get_rng_state(), cpu_before)
+
+
+def test_known_library_noise_is_dropped_and_other_records_pass():
+    import logging
+
+    from titan_sft.log import quiet_known_noise
+
+    quiet_known_noise()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+        logging.getLogger("torch.utils._pytree").warning("<enum 'K'> is an Enum subclass and is now natively "
+                                                         "supported by torch.compile")
+        logging.getLogger("torchao").warning("Skipping import of cpp extensions due to incompatible torch version")
+    finally:
+        for name in ("torchao", "torch.utils._pytree"):
+            logging.getLogger(name).removeHandler(handler)
+    assert seen == ["Skipping import of cpp extensions due to incompatible torch version"]
