@@ -72,9 +72,10 @@ def _run(dump, *overrides, config="train_configs/debug_model.toml", nproc=2, env
 @pytest.mark.slow
 def test_every_trainer_collective_of_a_run_is_on_the_compute_device(tmp_path):
     """Two ranks with every per-step collective in use (loss denominators, step statistics and flags, held-out
-    loss, temporary and async checkpoints, a planned stop) under the host-tensor check."""
+    loss, temporary checkpoints on rank 0's clock, a planned stop) under the host-tensor check. (Async saves'
+    vote is the same all-reduce; tests/test_hardening.py runs them.)"""
     r = _run(tmp_path / "run", "--training.steps", "6", "--training.stop_at_step", "4", "--checkpoint.interval", "2",
-             "--checkpoint.temp_interval_minutes", "0.00001", "--checkpoint.async_mode", "async",
+             "--checkpoint.temp_interval_minutes", "0.00001",
              "--validation.holdout_fraction", "0.1", "--validation.interval", "2", "--validation.generation_eval_path", "")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
+    StateDictOptions,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -216,11 +217,20 @@ class CheckpointManager:
         self.best_only = job_cfg.validation.best_only  # regular saves off: only the best (and temp) checkpoints
         self.last_export: Path | None = None
         self.last_temp_time = time.monotonic()
+        from titan_sft.parallel.distributed import unwrapped_name
+
+        # A run with frozen parameters (LoRA's base) keeps only the trainable ones in its best checkpoint: the
+        # base is in hf_assets_path already, and the best one is for evaluation, never resumed.
+        params = list(model.named_parameters())
+        self.trainable = ({unwrapped_name(n) for n, p in params if p.requires_grad}
+                          if any(not p.requires_grad for _, p in params) else None)
         self._pending = None  # (future or None, tmp dir, final dir, meta, start time) of a save not yet renamed
         self._staging = None  # future: the pending async save's copy of the state is complete
         self._async_pg = self._stager = None  # the pending async save's own group and stager (see save())
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, kind: str = "regular") -> dict[str, Any]:
+        if kind == "best" and self.trainable is not None:
+            return {"model": {k: v for k, v in model_state(self.model).items() if k in self.trainable}}
         return {
             "model": model_state(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
@@ -252,6 +262,7 @@ class CheckpointManager:
             "sampler": self.sampler.state_dict(),
             "rng": gather_rng_states(),
             "config": self.run_config,
+            "trainable_only": kind == "best" and self.trainable is not None,
         }
         # Every save runs its collectives on a group of its own, released when the save is complete: a long-lived
         # gloo group slows every later CPU step (parallel/distributed.new_transient_group). It also keeps the
@@ -265,15 +276,18 @@ class CheckpointManager:
             # optimizer step until it is done, so the copy overlaps the next forward/backward.
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=True, use_non_blocking_copy=cuda))
-            response = dcp.async_save(self._state(), storage_writer=self._writer(tmp), process_group=self._async_pg,
+            response = dcp.async_save(self._state(kind), storage_writer=self._writer(tmp), process_group=self._async_pg,
                                       async_stager=self._stager)
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, tmp, final, meta, t0)
         else:
             with transient_group() as pg:
-                dcp.save(self._state(), storage_writer=self._writer(tmp), process_group=pg)
+                dcp.save(self._state(kind), storage_writer=self._writer(tmp), process_group=pg)
             self._pending = (None, tmp, final, meta, t0)
             self.wait()
+        if kind == "best" and getattr(self.exporter, "lora", None) is not None:
+            path = self.exporter.save_adapter(self.model, self.root / "adapters" / "best")
+            logger.info(f"[export] wrote {path} (step {completed_steps})")
         if kind == "temp":
             self.last_temp_time = time.monotonic()
         return final
@@ -355,6 +369,9 @@ class CheckpointManager:
         meta = read_meta(path)
         if meta is None:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
+        if meta.get("trainable_only"):
+            raise RuntimeError(f"checkpoint {path} holds the trainable weights only (a LoRA run's best checkpoint, "
+                               "for evaluation); resume from checkpoints/step-* or checkpoints-temp")
         if meta.get("kind") == "weights_only":  # written by `convert from-hf`: a starting point, step 0
             self.load_weights(path)
             return 0
@@ -375,9 +392,12 @@ class CheckpointManager:
         if meta is None:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
         state = {"model": model_state(self.model)}
+        if meta.get("trainable_only"):  # a LoRA run's best checkpoint: the base stays as loaded
+            state["model"] = {k: v for k, v in state["model"].items() if k in (self.trainable or ())}
         with transient_group() as pg:
             dcp.load(state, checkpoint_id=str(path), process_group=pg)
-        set_model_state_dict(self.model, with_aliases(self.model, state["model"]))
+        set_model_state_dict(self.model, with_aliases(self.model, state["model"]),
+                             options=StateDictOptions(strict=not meta.get("trainable_only")))
         return int(meta["step"])
 
     def resume(self) -> int:

@@ -183,7 +183,9 @@ class Validation:
                                        "(seeded split; they are not trained on)")
     holdout_seed: int = doc(0, "seed of that split")
     interval: int = doc(0, "held-out loss every this many steps (and after the last); 0: only after the last")
-    keep_best: bool = doc(False, "keep the checkpoint with the lowest held-out loss in checkpoints-best/")
+    keep_best: Literal["auto", True, False] = doc(
+        "auto", "keep the checkpoint with the lowest held-out loss in checkpoints-best/ (LoRA: and adapters/best); "
+                "auto: on when a held-out set is given (path or holdout_fraction)")
     best_only: bool = doc(False, "with keep_best: no regular checkpoints, only the best one (and the temporary "
                                  "one that preemption needs)")
     test_path: str = doc("", "masked_diffusion: packed test split, evaluated once after the last step with the "
@@ -277,7 +279,10 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     bad = ConfigError(f"config key '{key}': got {value!r}, expected {_describe(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value not in allowed:
+        if from_cli and isinstance(value, str) and True in allowed and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if value not in allowed or (isinstance(value, (bool, int)) and not any(
+                type(a) is type(value) and a == value for a in allowed)):
             raise bad
         return value
     if origin is list:
@@ -460,6 +465,8 @@ def validate(cfg: JobConfig) -> None:
     need(not (v.path and v.holdout_fraction), "validation.holdout_fraction",
          "0 when validation.path is set (one held-out set)", v.holdout_fraction)
     need(v.interval >= 0, "validation.interval", ">= 0 (0 = only after the last step)", v.interval)
+    if v.keep_best == "auto":
+        v.keep_best = bool(v.path or v.holdout_fraction)
     need(not v.best_only or v.keep_best, "validation.best_only", "false unless validation.keep_best", v.best_only)
     need(v.generation_every >= 0, "validation.generation_every", ">= 0 (0 disables)", v.generation_every)
     need(v.block_length >= 1 and v.gen_length % v.block_length == 0, "validation.gen_length",

@@ -52,11 +52,23 @@ def model_from_checkpoint(checkpoint: str | Path):
     cfg = _config_from_meta(meta)
     spec = get_train_spec(cfg.model.name)
     args = model_args(cfg.model, spec)
-    model = build_model(args)
+    if meta.get("trainable_only"):  # a LoRA run's best checkpoint: the base comes from where the run started
+        if not cfg.model.init_from_hf:
+            raise ConvertError(f"{ckpt}: holds the trainable weights only, and its run started from no HF model")
+        from titan_sft.hf_io import resolve_hf_dir
+        from titan_sft.models import load_hf
+
+        model = load_hf(resolve_hf_dir(cfg.model.hf_assets_path))
+        args = model.args
+    else:
+        model = build_model(args)
     if "lora" in cfg.model.converters:
         apply_lora(model, cfg)
-    model.to_empty(device="cpu")
+    if not meta.get("trainable_only"):
+        model.to_empty(device="cpu")
     state = {"model": model_state(model)}
+    if meta.get("trainable_only"):
+        state["model"] = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
     return model.eval(), cfg, spec, args

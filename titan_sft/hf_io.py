@@ -318,6 +318,16 @@ class HFExporter:
     lora: Any = None  # the run's [lora] config when it trains adapters: merged export + PEFT adapter
     base_model: str | None = None  # recorded in the adapter's config (the HF directory the run started from)
     objective: dict | None = None  # the objective's record (objective.json), written beside the weights
+    initial_norms: dict | None = None  # trained norms' values before training (LoRA with train_norms), by name
+
+    def save_adapter(self, model, out_dir: str | Path) -> Path:
+        """``adapters/best`` or ``adapters/final``: the trainable state as a servable PEFT adapter
+        (``titan_sft.lora.save_adapter``). Every rank calls."""
+        from titan_sft.lora import save_adapter
+
+        return save_adapter(model, out_dir, self.lora, native_to_hf=native_to_hf_name, dtype=DTYPES[self.dtype],
+                            base_model=self.base_model, tokenizer_dir=self.tokenizer_dir,
+                            initial_norms=self.initial_norms, objective=self.objective)
 
     def __call__(self, model, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)

@@ -151,4 +151,88 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
     return out_dir
 
 
+def trainable_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters (adapters, trained norms), whole, on rank 0's host by native name (empty on the
+    other ranks). Call on every rank: each DTensor is gathered (a collective), one small tensor at a time."""
+    from torch.distributed.tensor import DTensor
+
+    from titan_sft.atomic import rank
+    from titan_sft.parallel.distributed import unwrapped_name
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if rank() == 0:
+                out[unwrapped_name(name)] = full.detach().float().cpu()
+    return out
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, lo: Lora, *, native_to_hf, dtype: torch.dtype,
+                 base_model: str | None = None, tokenizer_dir: str | None = None,
+                 initial_norms: dict[str, torch.Tensor] | None = None, objective: dict | None = None) -> Path:
+    """A servable adapter directory, written atomically (``*.partial``, then renamed): the PEFT adapter
+    (:func:`save_peft_adapter`: trained norms as ``modules_to_save``), the tokenizer files, the norms' values
+    before training (``initial_norms.safetensors``, HF names: what base-model scoring needs), and the objective
+    record. Only the trainable parameters are gathered. Call on every rank; rank 0 writes."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from titan_sft.atomic import barrier, rank
+
+    state = trainable_full_state(model)
+    out_dir = Path(out_dir)
+    if rank() == 0:
+        tmp = out_dir.with_name(out_dir.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_peft_adapter({k: v.to(dtype) for k, v in state.items()}, lo, tmp, base_model, lo.train_norms,
+                          native_to_hf)
+        if initial_norms:
+            save_file({native_to_hf(k): v.to(dtype).contiguous() for k, v in initial_norms.items()},
+                      str(tmp / "initial_norms.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True).save_pretrained(str(tmp))
+        if objective:
+            (tmp / "objective.json").write_text(json.dumps(objective, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    barrier()
+    return out_dir
+
+
+VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def vllm_lora_problems(adapter_dir: str | Path) -> list[str]:
+    """What keeps vLLM from serving ``adapter_dir`` as a LoRA adapter (empty: nothing), by vLLM's rules for PEFT
+    adapters: every tensor is ``base_model.model.<module>.lora_A|lora_B.weight`` of a target module it supports,
+    with ``r`` and ``lora_alpha`` in the config. Trained norms (``modules_to_save``) are not LoRA weights to it:
+    such an adapter is served through the merged export (``hf/``) instead."""
+    import re
+
+    from safetensors import safe_open
+
+    d = Path(adapter_dir)
+    conf = json.loads((d / "adapter_config.json").read_text())
+    problems = [f"adapter_config.json lacks {k}" for k in ("r", "lora_alpha", "target_modules") if k not in conf]
+    if conf.get("modules_to_save"):
+        problems.append(f"modules_to_save {conf['modules_to_save']} (trained norms): vLLM applies LoRA weights only")
+    pattern = re.compile(r"^base_model\.model\.(.+)\.lora_[AB]\.weight$")
+    with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+        for key in f.keys():
+            m = pattern.match(key)
+            if m is None:
+                if not conf.get("modules_to_save"):
+                    problems.append(f"{key}: not a LoRA weight")
+                continue
+            module = m.group(1).rsplit(".", 1)[-1]
+            if module not in VLLM_LORA_MODULES or module not in conf.get("target_modules", []):
+                problems.append(f"{key}: module {module} is not a supported target")
+    return problems
+
+
 register_converter("lora", apply_lora)

@@ -84,6 +84,11 @@ class Trainer:
                               lora=cfg.lora if "lora" in cfg.model.converters else None,
                               base_model=cfg.model.hf_assets_path if cfg.model.init_from_hf else None,
                               objective=self.objective_record or None)
+        if exporter.lora is not None and cfg.lora.train_norms:  # their values before training, for adapters/
+            from titan_sft.lora import trainable_full_state
+
+            exporter.initial_norms = {k: v for k, v in trainable_full_state(model).items() if "norm" in k}
+        self.exporter = exporter
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
         self.validator = self.objective.build_validator(model)
@@ -264,6 +269,9 @@ class Trainer:
                 return
         logger.info(f"training done: {self.step} steps" + (f", {self.skipped} skipped (empty loss groups)"
                                                            if self.skipped else ""))
+        if self.exporter.lora is not None:  # the adapter a user serves: the final trainable state
+            path = self.exporter.save_adapter(self.model, Path(cfg.job.dump_folder) / "adapters" / "final")
+            logger.info(f"[export] wrote {path}")
 
     def close(self) -> None:
         self.checkpointer.close()
