@@ -446,8 +446,9 @@ def validate(cfg: JobConfig) -> None:
     need(not (t.float8 and t.float8_backend == "te" and cfg.parallelism.tp > 1), "training.float8_backend",
          "'torchao' with parallelism.tp > 1 (Transformer Engine's linears shard through their own TP group, which "
          "titan_sft's TP plan does not set up)", t.float8_backend)
-    need(not ("lora" in cfg.model.converters and t.float8), "training.float8",
-         "false with the lora converter (LoRA linears are not float8 linears)", t.float8)
+    need(not ("lora" in cfg.model.converters and t.float8 and (t.float8_backend == "te" or cfg.parallelism.tp > 1)),
+         "training.float8", "false with the lora converter and float8_backend 'te' or parallelism.tp > 1 (float8 + "
+         "LoRA runs torchao's float8 base matmuls without tensor parallel)", t.float8)
     for key, v in (("warmup", s.warmup), ("decay", s.decay)):
         need(v >= 0, f"lr_scheduler.{key}", ">= 0 (<= 1: fraction of steps, > 1: whole steps)", v)
         need(v <= 1 or float(v).is_integer(), f"lr_scheduler.{key}", "a fraction <= 1 or a whole number of steps", v)

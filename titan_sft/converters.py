@@ -123,7 +123,12 @@ def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if hasattr(weight, "to_original_precision"):  # gathered in float8 (tensorwise FSDP all-gather): dequantised
         weight = weight.to_original_precision()
-    return F.linear(x, weight, self.bias)
+    out = F.linear(x, weight, self.bias)
+    if hasattr(self, "lora_a"):  # float8 + LoRA: the adapter's part is high precision anyway
+        from titan_sft.lora import lora_update
+
+        out = out + lora_update(self, x)
+    return out
 
 
 @contextlib.contextmanager
@@ -135,7 +140,9 @@ def high_precision_matmuls(model: nn.Module):
     duration; Transformer Engine blocks enter ``fp8_autocast(enabled=False)``. Weights that FSDP all-gathered in
     float8 (tensorwise on GPU) arrive quantised and are dequantised, not re-gathered.
     """
-    swapped = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    from titan_sft.lora import is_float8_linear
+
+    swapped = [m for m in model.modules() if is_float8_linear(m)]
     for m in swapped:
         m.forward = types.MethodType(_high_precision_forward, m)
     token = _FLOAT8_ON.set(False)

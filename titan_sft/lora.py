@@ -50,8 +50,7 @@ class LoRALinear(nn.Linear):
         self.key = zlib.crc32(key.encode())  # seeds this module's init: the same for any layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-        return F.linear(x, self.weight) + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.scale
+        return F.linear(x, self.weight) + lora_update(self, x)
 
     def reset_converter_parameters(self, seed: int) -> None:
         """A ~ kaiming-uniform (PEFT's init: bound 1 / sqrt(in)), B = 0, drawn whole on the CPU from (seed, module
@@ -65,6 +64,49 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale:g}"
+
+
+_FLOAT8_LORA: type | None = None
+
+
+def _float8_lora_class() -> type:
+    """torchao's Float8Linear with a LoRA update: the frozen base matmul in float8, the adapters in high precision.
+    Made by class swap of a converted linear (see :func:`_add_lora_to_float8`), so the float8 config, the weight and
+    the module's place (its FQN) are the Float8Linear's own."""
+    global _FLOAT8_LORA
+    if _FLOAT8_LORA is None:
+        from torchao.float8.float8_linear import Float8Linear
+
+        class Float8LoRALinear(Float8Linear):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x) + lora_update(self, x)
+
+            reset_converter_parameters = LoRALinear.reset_converter_parameters
+
+            def extra_repr(self) -> str:
+                return f"{super().extra_repr()}, lora rank={self.lora_a.shape[0]}, scale={self.scale:g}"
+
+        _FLOAT8_LORA = Float8LoRALinear
+    return _FLOAT8_LORA
+
+
+def lora_update(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """(alpha / r) * dropout(x) A^T B^T: the adapter's part of a LoRA linear's output."""
+    h = F.dropout(x, module.dropout, module.training) if module.dropout > 0 else x
+    return F.linear(F.linear(h, module.lora_a), module.lora_b) * module.scale
+
+
+def _add_lora_to_float8(base: nn.Module, rank: int, alpha: float, dropout: float, key: str) -> nn.Module:
+    base.__class__ = _float8_lora_class()
+    base.weight.requires_grad_(False)
+    base.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+    base.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
+    base.scale, base.dropout, base.key = alpha / rank, dropout, zlib.crc32(key.encode())
+    return base
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    return any(c.__name__ == "Float8Linear" for c in type(module).__mro__)
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -89,7 +131,11 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
             parent_path, attr = TARGETS[hf_name].rsplit(".", 1)
             parent = block.get_submodule(parent_path)
             fqn = f"layers.{i}.{TARGETS[hf_name]}"
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), lo.rank, lo.alpha, lo.dropout, fqn))
+            base = getattr(parent, attr)
+            if is_float8_linear(base):  # float8 ran first: keep its float8 base matmul, add the adapter beside it
+                _add_lora_to_float8(base, lo.rank, lo.alpha, lo.dropout, fqn)
+            else:
+                setattr(parent, attr, LoRALinear(base, lo.rank, lo.alpha, lo.dropout, fqn))
             names.append(fqn)
     if lo.train_norms:
         for name, p in model.named_parameters():

@@ -5,6 +5,8 @@ per-block torch.compile -> FSDP2 fully_shard over the data-parallel ranks (HSDP 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -132,6 +134,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             module.set_force_sum_reduction_for_comms(True)
 
 
+def check_trainable_set(model: nn.Module, expected: set[str], converters: list[str]) -> None:
+    """Stops the run when the converters together left another set of trainable parameters than LoRA alone would
+    (a conversion that renamed, froze or unfroze one): the optimizer, checkpoints and adapters all key on it."""
+    from titan_sft.config import ConfigError
+
+    actual = {n for n, p in model.named_parameters() if p.requires_grad}
+    if actual != expected:
+        lost, extra = sorted(expected - actual), sorted(actual - expected)
+        raise ConfigError(f"config key 'model.converters': {converters} change LoRA's trainable parameters: "
+                          f"{len(lost)} missing (first: {lost[:1]}), {len(extra)} unexpected (first: {extra[:1]})")
+
+
 def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, device: torch.device,
                             tp_plan: TPPlan) -> nn.Module:
     """Applies the layout and features the config selects to ``model`` (in place).
@@ -143,8 +157,16 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     t = cfg.training
     # Converters first (as torchtitan does): a converted linear (float8, LoRA) is still an nn.Linear, so the TP
     # styles shard it; converting after TP would drop the TP hooks with the replaced module.
-    for name in (["float8"] if t.float8 else []) + list(cfg.model.converters):
+    converters = (["float8"] if t.float8 else []) + list(cfg.model.converters)
+    expected = None
+    if "lora" in converters and len(converters) > 1:  # what LoRA alone leaves trainable (a meta copy: no memory)
+        reference = copy.deepcopy(model)
+        get_converter("lora")(reference, cfg, device)
+        expected = {n for n, p in reference.named_parameters() if p.requires_grad}
+    for name in converters:
         get_converter(name)(model, cfg, device)
+    if expected is not None:
+        check_trainable_set(model, expected, converters)
     if t.param_dtype == "bfloat16":
         store_frozen_params(model, torch.bfloat16)
     if mesh["tp"].size() > 1:
