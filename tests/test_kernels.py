@@ -182,7 +182,7 @@ def test_transformer_engine_gate_outcomes(monkeypatch, caplog):
                         lambda n, *a: object() if n == "transformer_engine" and has_te["value"] else
                         (None if n == "transformer_engine" else real_find_spec(n, *a)))
     applied = []
-    monkeypatch.setattr(converters, "apply_te_float8", lambda model: applied.append(model))
+    monkeypatch.setattr(converters, "apply_te_float8", lambda model, kwargs: applied.append(model))
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))  # A100: not capable
     with caplog.at_level(logging.WARNING, logger="titan_sft"):
@@ -395,3 +395,60 @@ def test_isolation_check_does_not_make_compiled_blocks_recompile():
         model(torch.randint(0, 500, (2, 512)), cu_seqlens=cu, hidden_only=True)
     assert len(compiles) == 1, compiles  # one graph (shared by the blocks), at the training shape only
     torch._dynamo.reset()
+
+
+def test_transformer_engine_recipe_knobs_reach_delayed_scaling(monkeypatch):
+    """[training] te_* become TE's DelayedScaling arguments (a stand-in TE records them; the reference trainer's
+    defaults when unset), the block projections become TE linears, and every block runs under fp8_autocast."""
+    import contextlib
+    import enum
+    import sys
+    import types
+
+    from titan_sft import converters
+    from titan_sft.config import load_config
+
+    recipes, autocasts = [], []
+
+    class Format(enum.Enum):
+        HYBRID = "hybrid"
+        E4M3 = "e4m3"
+
+    def DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
+                       override_linear_precision=(False, False, False)):  # TE 2: no interval
+        recipes.append(dict(margin=margin, fp8_format=fp8_format, amax_history_len=amax_history_len,
+                            amax_compute_algo=amax_compute_algo, override_linear_precision=override_linear_precision))
+        return recipes[-1]
+
+    class Linear(torch.nn.Linear):
+        def __init__(self, i, o, bias=False, params_dtype=None, device=None):
+            super().__init__(i, o, bias=bias, device=device, dtype=params_dtype)
+
+    @contextlib.contextmanager
+    def fp8_autocast(enabled=True, fp8_recipe=None):
+        autocasts.append((enabled, fp8_recipe))
+        yield
+
+    te = types.ModuleType("transformer_engine")
+    te_pt = types.ModuleType("transformer_engine.pytorch")
+    te_pt.Linear, te_pt.fp8_autocast = Linear, fp8_autocast
+    common = types.ModuleType("transformer_engine.common")
+    recipe_mod = types.ModuleType("transformer_engine.common.recipe")
+    recipe_mod.DelayedScaling, recipe_mod.Format = DelayedScaling, Format
+    for name, mod in (("transformer_engine", te), ("transformer_engine.pytorch", te_pt),
+                      ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe_mod)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    defaults = converters.te_recipe_kwargs(load_config(None, []).training)
+    assert defaults == {"fp8_format": "HYBRID", "margin": 0, "interval": 1, "amax_history_len": 1024,
+                        "amax_compute_algo": "max", "override_linear_precision": (False, False, False)}
+    t = load_config(None, ["--training.te_format", "E4M3", "--training.te_margin", "2", "--training.te_amax_history_len",
+                           "16", "--training.te_amax_compute_algo", "most_recent",
+                           "--training.te_override_linear_precision", "false,false,true"]).training
+    model = build_model(DEBUG, device="cpu")
+    converted = converters.apply_te_float8(model, converters.te_recipe_kwargs(t))
+    assert recipes == [dict(margin=2, fp8_format=Format.E4M3, amax_history_len=16, amax_compute_algo="most_recent",
+                            override_linear_precision=(False, False, True))]
+    assert len(converted) == 4 * 7 and isinstance(model.layers["0"].attention.wq, Linear)
+    model(torch.randint(0, 500, (1, 16)))
+    assert len(autocasts) == 4 and all(e and r is recipes[0] for e, r in autocasts)

@@ -114,6 +114,15 @@ class Training:
     float8_recipe: Literal["rowwise", "tensorwise", "rowwise_with_gw_hp"] = doc(
         "rowwise", "torchao float8 scaling: rowwise (default: keeps documents isolated), tensorwise (fastest; "
                    "with float8 FSDP all-gather on GPU), rowwise_with_gw_hp (weight gradients in high precision)")
+    te_format: Literal["HYBRID", "E4M3"] = doc(
+        "HYBRID", "Transformer Engine float8 format: HYBRID (E4M3 forward, E5M2 gradients) or E4M3 throughout")
+    te_margin: int = doc(0, "Transformer Engine delayed scaling: margin (scale by 2**-margin below the amax)")
+    te_interval: int = doc(1, "Transformer Engine delayed scaling: steps between scale updates (TE < 2 only)")
+    te_amax_history_len: int = doc(1024, "Transformer Engine delayed scaling: amax history length")
+    te_amax_compute_algo: Literal["max", "most_recent"] = doc(
+        "max", "Transformer Engine delayed scaling: the amax of the history (max) or the last step's")
+    te_override_linear_precision: list[bool] = doc(
+        [False, False, False], "Transformer Engine: run fprop, dgrad, wgrad of the linears in high precision")
     skip_startup_checks: bool = doc(False, "skip the document-isolation start-up check (the loss-denominator "
                                            "check of the first step always runs)")
     deterministic: bool = doc(False, "torch.use_deterministic_algorithms(True)")
@@ -443,6 +452,11 @@ def validate(cfg: JobConfig) -> None:
     need(0 <= lo.dropout < 1, "lora.dropout", "0 <= dropout < 1", lo.dropout)
     need(bool(lo.targets) and set(lo.targets) <= set(LORA_TARGETS), "lora.targets",
          f"a non-empty list of {', '.join(LORA_TARGETS)}", lo.targets)
+    need(t.te_margin >= 0, "training.te_margin", ">= 0", t.te_margin)
+    need(t.te_interval >= 1, "training.te_interval", ">= 1", t.te_interval)
+    need(t.te_amax_history_len >= 1, "training.te_amax_history_len", ">= 1", t.te_amax_history_len)
+    need(len(t.te_override_linear_precision) == 3, "training.te_override_linear_precision",
+         "three booleans (fprop, dgrad, wgrad)", t.te_override_linear_precision)
     need(not (t.float8 and t.float8_backend == "te" and cfg.parallelism.tp > 1), "training.float8_backend",
          "'torchao' with parallelism.tp > 1 (Transformer Engine's linears shard through their own TP group, which "
          "titan_sft's TP plan does not set up)", t.float8_backend)

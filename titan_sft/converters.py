@@ -83,14 +83,29 @@ def te_gate(device: torch.device) -> str:
     return "ok" if importlib.util.find_spec("transformer_engine") is not None else "missing"
 
 
-def apply_te_float8(model: nn.Module) -> list[str]:
+def te_recipe_kwargs(t) -> dict:
+    """DelayedScaling's arguments from ``[training] te_*`` (the reference trainer's defaults: HYBRID, margin 0,
+    interval 1, amax history 1024, amax "max", no precision override)."""
+    return {"fp8_format": t.te_format, "margin": t.te_margin, "interval": t.te_interval,
+            "amax_history_len": t.te_amax_history_len, "amax_compute_algo": t.te_amax_compute_algo,
+            "override_linear_precision": tuple(t.te_override_linear_precision)}
+
+
+def apply_te_float8(model: nn.Module, recipe_kwargs: dict) -> list[str]:
     """Swaps the block projections for Transformer Engine linears (same parameter names, so checkpoints and HF
-    export are unchanged) and runs each block under ``te.fp8_autocast`` (delayed scaling, HYBRID format: E4M3
-    forward, E5M2 gradients). The embedding and the output head stay in bf16."""
+    export are unchanged) and runs each block under ``te.fp8_autocast`` with a delayed-scaling recipe of
+    ``recipe_kwargs`` (:func:`te_recipe_kwargs`; an argument the installed TE no longer takes, such as
+    ``interval`` in TE 2, is left out when it has its default). The embedding and the output head stay in bf16."""
+    import inspect
+
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
 
-    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    kwargs = {**recipe_kwargs, "fp8_format": getattr(Format, recipe_kwargs["fp8_format"])}
+    accepted = set(inspect.signature(DelayedScaling).parameters)
+    if "interval" not in accepted and kwargs.get("interval", 1) == 1:
+        kwargs.pop("interval", None)
+    recipe = DelayedScaling(**kwargs)
     converted = []
     for name, block in model.layers.named_children():
         for fqn in BLOCK_LINEARS:
@@ -171,7 +186,7 @@ def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> 
             logger.warning(f"[parallelize] Transformer Engine float8 needs compute capability 8.9 or 9.0+; {where} "
                            "has not: training in bf16 instead")
             return
-        apply_te_float8(model)
+        apply_te_float8(model, te_recipe_kwargs(cfg.training))
         return
     if device.type == "cuda" and not float8_supported(device):
         logger.warning(f"[parallelize] float8 needs compute capability >= 8.9, {torch.cuda.get_device_name(device)} "
