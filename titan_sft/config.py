@@ -84,6 +84,8 @@ class Data:
     path: str = doc("", "packed dataset directory (python -m titan_sft.data.prepare)")
     shuffle: bool = doc(False, "visit packs in a seeded random order instead of the recipe's sequential one")
     shuffle_seed: int = doc(0, "seed of that order")
+    skip_examples: int = doc(0, "start this many packed examples into the data order (continue where another "
+                                "run, e.g. the one a warm start's adapter came from, stopped); a resume keeps it")
 
 
 @dataclass
@@ -222,6 +224,8 @@ class Lora:
     targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                              "projections given adapters, by HF name")
     train_norms: bool = doc(True, "train the RMSNorm weights too (saved with the adapter)")
+    init_from: str = doc("", "warm start: a PEFT LoRA adapter directory (titan_sft's adapters/* or peft's) whose "
+                             "adapters (and trained norms) replace the initial ones; its r must equal rank")
 
 
 @dataclass
@@ -419,6 +423,7 @@ def validate(cfg: JobConfig) -> None:
 
     t, o, s, c = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
     need(t.steps >= 0, "training.steps", ">= 0 (0 = 8 epochs)", t.steps)
+    need(cfg.data.skip_examples >= 0, "data.skip_examples", ">= 0", cfg.data.skip_examples)
     need(t.stop_at_step >= 0, "training.stop_at_step", ">= 0 (0 = run to the end)", t.stop_at_step)
     need(t.global_batch_size >= 1, "training.global_batch_size", ">= 1", t.global_batch_size)
     need(t.per_device_batch >= 1, "training.per_device_batch", ">= 1", t.per_device_batch)

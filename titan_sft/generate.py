@@ -39,29 +39,16 @@ def _objective_record(*dirs: Path) -> dict:
 
 def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
     """Applies a PEFT LoRA adapter directory (written by titan_sft or PEFT) to a native model, in place."""
-    from safetensors.torch import load_file
-
     from titan_sft.config import JobConfig
-    from titan_sft.lora import TARGETS, apply_lora
-    from titan_sft.models.hf_adapter import hf_to_native_name
+    from titan_sft.lora import TARGETS, apply_lora, read_peft_adapter
 
-    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    conf, state = read_peft_adapter(adapter_dir)
     cfg = JobConfig()
     cfg.lora.rank, cfg.lora.alpha = int(conf["r"]), float(conf["lora_alpha"])
     targets = conf["target_modules"]
     cfg.lora.targets = sorted(targets) if isinstance(targets, list) else [t for t in TARGETS if t in targets]
     cfg.lora.dropout = 0.0
     apply_lora(model, cfg)
-    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    state = {}
-    for name, t in tensors.items():
-        hf = name.removeprefix("base_model.model.")
-        for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
-            if hf.endswith(kind):
-                state[hf_to_native_name(hf[: -len(kind)] + ".weight")[: -len("weight")] + native] = t
-                break
-        else:
-            state[hf_to_native_name(hf)] = t
     missing = [n for n, _ in model.named_parameters() if n.endswith(("lora_a", "lora_b")) and n not in state]
     if missing:
         raise GenerateError(f"{adapter_dir}: the adapter lacks {missing[0]} (and {len(missing) - 1} more)")

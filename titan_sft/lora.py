@@ -250,6 +250,52 @@ def save_adapter(model: nn.Module, out_dir: str | Path, lo: Lora, *, native_to_h
     return out_dir
 
 
+def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors by native name) of a PEFT LoRA adapter directory, titan_sft's or peft's:
+    ``lora_A``/``lora_B`` become ``lora_a``/``lora_b``, modules_to_save weights (norms) their native names."""
+    from safetensors.torch import load_file
+
+    from titan_sft.models.hf_adapter import hf_to_native_name
+
+    d = Path(adapter_dir)
+    conf = json.loads((d / "adapter_config.json").read_text())
+    state = {}
+    for name, t in load_file(str(d / "adapter_model.safetensors")).items():
+        hf = name.removeprefix("base_model.model.")
+        for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
+            if hf.endswith(kind):
+                state[hf_to_native_name(hf[: -len(kind)] + ".weight")[: -len("weight")] + native] = t
+                break
+        else:
+            # peft writes modules_to_save copies as <module>.modules_to_save.default.weight
+            state[hf_to_native_name(hf.replace(".modules_to_save.default", ""))] = t
+    return conf, state
+
+
+def warm_start(model: nn.Module, adapter_dir: str | Path, lo: Lora) -> int:
+    """Copies an adapter directory's tensors into the (sharded) model's trainable parameters; returns how many.
+    Every adapter of the model must be in it, with this run's rank (one clear error otherwise)."""
+    from titan_sft.config import ConfigError
+    from titan_sft.parallel.distributed import unwrapped_name
+
+    d = Path(adapter_dir)
+    if not (d / "adapter_config.json").is_file():
+        raise ConfigError(f"config key 'lora.init_from': {d} is not a PEFT adapter directory (no adapter_config.json)")
+    conf, state = read_peft_adapter(d)
+    if int(conf.get("r", -1)) != lo.rank:
+        raise ConfigError(f"config key 'lora.init_from': {d} has r = {conf.get('r')}, this run lora.rank = {lo.rank}")
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = unwrapped_name(name)
+            if key.endswith(ADAPTER_KEYS) and key not in state:
+                raise ConfigError(f"config key 'lora.init_from': {d} lacks {key} (targets {conf.get('target_modules')})")
+            if p.requires_grad and key in state:
+                _copy_full(p, state[key].float())
+                n += 1
+    return n
+
+
 VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -91,7 +91,12 @@ class Trainer:
         self.exporter = exporter
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
-        self.validator = self.objective.build_validator(model)
+        self.validator = self.objective.build_validator(model)  # it keeps the base model's values
+        if "lora" in cfg.model.converters and cfg.lora.init_from:  # warm start, after the base values were kept
+            from titan_sft.lora import warm_start
+
+            n = warm_start(model, cfg.lora.init_from, cfg.lora)
+            logger.info(f"[init] warm start: {n} adapter and norm tensors from {cfg.lora.init_from}")
         self._banner()
         self.step = self.checkpointer.resume()
         if self.step:

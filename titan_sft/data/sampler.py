@@ -1,6 +1,7 @@
 """The recipe's data order, sharded by data-parallel rank and resumable.
 
-Step s (0-based) uses packed examples ``order[(s * B + i) mod n_packs]`` for i = 0..B-1 (recipe item 5), where
+Step s (0-based) uses packed examples ``order[(k + s * B + i) mod n_packs]`` for i = 0..B-1 (recipe item 5; k is
+``data.skip_examples``, 0 in the recipe), where
 ``order`` is the identity (the recipe) or a seeded permutation drawn once. Rank r of W takes the contiguous slice
 ``i in [r * B / W, (r + 1) * B / W)``, so the ranks together cover exactly the 1-rank global batch, in order.
 """
@@ -12,7 +13,7 @@ import numpy as np
 
 class RecipeSampler:
     def __init__(self, n_packs: int, global_batch: int, dp_rank: int = 0, dp_world: int = 1,
-                 shuffle: bool = False, seed: int = 0, subset: np.ndarray | None = None):
+                 shuffle: bool = False, seed: int = 0, subset: np.ndarray | None = None, offset: int = 0):
         if global_batch % dp_world:
             raise ValueError(
                 f"training.global_batch_size={global_batch} must be divisible by the data-parallel ranks ({dp_world})"
@@ -25,6 +26,7 @@ class RecipeSampler:
         n_packs = n_packs if subset is None else len(self.subset)
         self.n_packs = n_packs
         self.order = np.random.default_rng(seed).permutation(n_packs) if shuffle else None
+        self.offset = offset  # examples skipped at the start of the order (data.skip_examples)
         self.step = 0  # next step to hand out
 
     @property
@@ -33,7 +35,7 @@ class RecipeSampler:
 
     def global_indices(self, step: int) -> np.ndarray:
         """Pack ids of the whole global batch of ``step``, in order."""
-        idx = (step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)) % self.n_packs
+        idx = (self.offset + step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)) % self.n_packs
         idx = self.order[idx] if self.order is not None else idx
         return self.subset[idx] if self.subset is not None else idx
 
@@ -49,10 +51,11 @@ class RecipeSampler:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "n_packs": self.n_packs, "global_batch": self.global_batch,
-                "shuffle": self.shuffle, "seed": self.seed}
+                "shuffle": self.shuffle, "seed": self.seed, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("n_packs", "global_batch", "shuffle", "seed"):
+        state = {"offset": 0, **state}  # checkpoints from before data.skip_examples
+        for key in ("n_packs", "global_batch", "shuffle", "seed", "offset"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"cannot resume the data order: checkpoint has {key}={state[key]}, "
                                  f"this run has {getattr(self, key)}")
