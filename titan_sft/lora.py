@@ -327,4 +327,24 @@ def vllm_lora_problems(adapter_dir: str | Path) -> list[str]:
     return problems
 
 
-register_converter("lora", apply_lora)
+def on_start(model: nn.Module, cfg: JobConfig, exporter) -> None:
+    """Keeps the trained norms' starting values for the adapters (``initial_norms.safetensors``), then applies a
+    warm start (``lora.init_from``)."""
+    from titan_sft.log import logger
+
+    if cfg.lora.train_norms:
+        exporter.initial_norms = {k: v for k, v in trainable_full_state(model).items() if "norm" in k}
+    if cfg.lora.init_from:
+        n = warm_start(model, cfg.lora.init_from, cfg.lora)
+        logger.info(f"[init] warm start: {n} adapter and norm tensors from {cfg.lora.init_from}")
+
+
+def on_end(model: nn.Module, cfg: JobConfig, exporter) -> None:
+    """``adapters/final``: the adapter a user serves."""
+    from titan_sft.log import logger
+
+    path = exporter.save_adapter(model, Path(cfg.job.dump_folder) / "adapters" / "final")
+    logger.info(f"[export] wrote {path}")
+
+
+register_converter("lora", apply_lora, on_start=on_start, on_end=on_end)

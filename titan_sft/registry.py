@@ -66,6 +66,7 @@ class TrainSpec:
 _SPECS: dict[str, TrainSpec] = {}
 _OBJECTIVES: dict[str, Callable] = {}
 _CONVERTERS: dict[str, Callable] = {}
+_CONVERTER_HOOKS: dict[str, dict[str, Callable | None]] = {}
 
 
 def _register(table: dict, kind: str, name: str, value: Any, overwrite: bool) -> None:
@@ -136,10 +137,19 @@ def list_objectives() -> list[str]:
     return sorted(_OBJECTIVES)
 
 
-def register_converter(name: str, apply: Callable, *, overwrite: bool = False) -> None:
+def register_converter(name: str, apply: Callable, *, overwrite: bool = False, on_start: Callable | None = None,
+                       on_end: Callable | None = None) -> None:
     """Registers a model converter; ``apply(model, cfg, device)`` swaps modules of the meta-device model in
-    place (before activation checkpointing, compile and FSDP)."""
+    place (before activation checkpointing, compile and FSDP). Optional hooks, each ``hook(model, cfg, exporter)``
+    on every rank: ``on_start`` once the model holds its starting weights and the validators kept what they need
+    of them (before a resume), ``on_end`` after the last step (LoRA: a warm start, and adapters/final)."""
     _register(_CONVERTERS, "model converter", name, apply, overwrite)
+    _CONVERTER_HOOKS[name] = {"on_start": on_start, "on_end": on_end}
+
+
+def converter_hook(name: str, when: str) -> Callable | None:
+    """The converter's ``on_start`` / ``on_end`` hook, or None."""
+    return _CONVERTER_HOOKS.get(name, {}).get(when)
 
 
 def get_converter(name: str) -> Callable:

@@ -30,7 +30,7 @@ from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, init_sharded, shutdown
-from titan_sft.registry import get_train_spec
+from titan_sft.registry import converter_hook, get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
 
@@ -84,25 +84,24 @@ class Trainer:
                               lora=cfg.lora if "lora" in cfg.model.converters else None,
                               base_model=cfg.model.hf_assets_path if cfg.model.init_from_hf else None,
                               objective=self.objective_record or None)
-        if exporter.lora is not None and cfg.lora.train_norms:  # their values before training, for adapters/
-            from titan_sft.lora import trainable_full_state
-
-            exporter.initial_norms = {k: v for k, v in trainable_full_state(model).items() if "norm" in k}
         self.exporter = exporter
         self.checkpointer = spec.build_checkpointer_fn(cfg, model, self.optimizer, self.lr_scheduler, self.sampler,
                                                        exporter)
         self.validator = self.objective.build_validator(model)  # it keeps the base model's values
-        if "lora" in cfg.model.converters and cfg.lora.init_from:  # warm start, after the base values were kept
-            from titan_sft.lora import warm_start
-
-            n = warm_start(model, cfg.lora.init_from, cfg.lora)
-            logger.info(f"[init] warm start: {n} adapter and norm tensors from {cfg.lora.init_from}")
+        self._converter_hooks("on_start")
         self._banner()
         self.step = self.checkpointer.resume()
         if self.step:
             logger.info(f"[resume] continuing after step {self.step} of {self.total_steps}")
 
     # -- set-up ----------------------------------------------------------------------------------------------
+    def _converter_hooks(self, when: str) -> None:
+        """The converters' ``on_start`` / ``on_end`` hooks (titan_sft.registry.register_converter), in order."""
+        for name in self.cfg.model.converters:
+            hook = converter_hook(name, when)
+            if hook is not None:
+                hook(self.model, self.cfg, self.exporter)
+
     def _banner(self) -> None:
         """What this run is, on rank 0, before the first step."""
         cfg, d, m = self.cfg, self.dist, self.dataset.manifest
@@ -274,9 +273,7 @@ class Trainer:
                 return
         logger.info(f"training done: {self.step} steps" + (f", {self.skipped} skipped (empty loss groups)"
                                                            if self.skipped else ""))
-        if self.exporter.lora is not None:  # the adapter a user serves: the final trainable state
-            path = self.exporter.save_adapter(self.model, Path(cfg.job.dump_folder) / "adapters" / "final")
-            logger.info(f"[export] wrote {path}")
+        self._converter_hooks("on_end")
 
     def close(self) -> None:
         self.checkpointer.close()
