@@ -91,3 +91,30 @@ def test_vllm_rules_for_adapters(tmp_path):
     assert vllm_lora_problems(tmp_path / "plain") == []
     save_peft_adapter(state, lo, tmp_path / "norms", None, True, native_to_hf_name)
     assert any("modules_to_save" in p for p in vllm_lora_problems(tmp_path / "norms"))
+
+
+@pytest.mark.slow
+def test_parameter_audit_counts_trainable_and_frozen_by_module_type(run):
+    audit = json.loads((run / "parameter_audit.json").read_text())
+    lora = audit["by_module_type"]["LoRALinear"]
+    cfg_rank, dim, layers = 16, 128, 4
+    assert audit["trainable"] == sum(e["trainable"] for e in audit["by_module_type"].values())
+    assert lora["trainable"] > 0 and lora["frozen"] > 0 and audit["by_module_type"]["Embedding"]["trainable"] == 0
+    assert audit["by_module_type"]["RMSNorm"]["frozen"] == 0  # train_norms
+    assert cfg_rank * dim * 2 * layers <= lora["trainable"]
+
+
+@pytest.mark.slow
+def test_validation_records_carry_the_split_loss_components(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "titan_sft.train", "--config", "train_configs/debug_diffusion.toml",
+           "--job.dump_folder", str(tmp_path), "--training.steps", "2", "--validation.interval", "2",
+           "--validation.generation_every", "0", "--validation.test_path", "", "--objective.split_loss", "true",
+           "--checkpoint.enable", "false", "--validation.keep_best", "false", "--checkpoint.hf_export_interval", "-1",
+           "--metrics.enable_tensorboard", "false"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (val,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x)["split"] == "validation"]
+    assert val["loss"] == pytest.approx(val["loss_answer"] + val["loss_padding"], rel=1e-12)
+    assert val["loss_answer"] > 0 and val["loss_padding"] > 0

@@ -417,6 +417,7 @@ def test_best_checkpoint_and_test_split(tmp_path):
     meta = json.loads((tmp_path / "run" / "checkpoints-best" / "meta.json").read_text())
     assert meta["step"] == best["step"] and meta["validation_loss"] == best["loss"]
     assert test[0]["weights"] == f"best (step {best['step']})"
+    assert json.loads((tmp_path / "run" / "test_metrics.json").read_text()) == test[0]
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))  # best_only: no regular checkpoints
     assert 0.4 < test[0]["mask_fraction"] < 0.7 and test[0]["n_examples"] == 100
     assert (tmp_path / "run" / "objective.json").is_file()

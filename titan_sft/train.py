@@ -235,6 +235,7 @@ class Trainer:
             cfg.write_resolved(out / "resolved_config.json")
             if self.objective_record:
                 atomic_write_text(out / "objective.json", json.dumps(self.objective_record, indent=2) + "\n")
+            atomic_write_text(out / "parameter_audit.json", json.dumps(parameter_audit(self.model), indent=2) + "\n")
         if not cfg.training.skip_startup_checks:  # on resume too: the backend or its masks may have changed
             t = cfg.training
             hint = ("; float8 tensorwise shares one activation scale across the documents of a row, so this is "
@@ -280,6 +281,18 @@ class Trainer:
         self.loader.close()
         self.metrics.close()
         shutdown()
+
+
+def parameter_audit(model: torch.nn.Module) -> dict:
+    """Trainable and frozen parameter counts in all and by module type, after every conversion (the reference
+    trainer's parameter_audit.json). DTensor shards count with their global size."""
+    by_type: dict[str, dict[str, int]] = {}
+    for module in model.modules():
+        for _, p in module.named_parameters(recurse=False):
+            entry = by_type.setdefault(type(module).__name__, {"trainable": 0, "frozen": 0})
+            entry["trainable" if p.requires_grad else "frozen"] += p.numel()
+    totals = {k: sum(e[k] for e in by_type.values()) for k in ("trainable", "frozen")}
+    return {**totals, "by_module_type": dict(sorted(by_type.items()))}
 
 
 def main(argv: list[str] | None = None) -> int:

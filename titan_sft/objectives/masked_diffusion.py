@@ -301,6 +301,11 @@ class DenoisingValidator(Validator):
                 weights = f"best (step {best_step})"
             records.append({"split": "test", "step": step, "weights": weights,
                             **self.evaluate(model, self.test, TEST_STREAM)})
+            if (dist.get_rank() if dist.is_initialized() else 0) == 0:  # the reference's test_metrics.json
+                from titan_sft.atomic import atomic_write_text
+
+                atomic_write_text(Path(self.cfg.job.dump_folder) / "test_metrics.json",
+                                  json.dumps(records[-1], indent=2) + "\n")
         return records
 
     @torch.no_grad()
@@ -336,8 +341,10 @@ class DenoisingValidator(Validator):
         stats = sums[3:9]
         denoms = obj.denominators(stats).clamp(min=1.0)
         loss = float(sums[0] / denoms[0] + sums[1] / denoms[1])
+        parts = {"loss_answer": float(sums[0] / denoms[0]), "loss_padding": float(sums[1] / denoms[1])} \
+            if self.cfg.objective.split_loss else {}
         masked = float(stats[3])
-        return {"loss": loss, "masked_ce": float(sums[2]) / max(masked, 1.0), "n_examples": int(stats[0]),
+        return {"loss": loss, **parts, "masked_ce": float(sums[2]) / max(masked, 1.0), "n_examples": int(stats[0]),
                 "n_masked": int(masked), "mask_fraction": masked / max(float(stats[1] + stats[2]), 1.0),
                 "mean_t": float(stats[4]) / max(float(stats[0]), 1.0)}
 
