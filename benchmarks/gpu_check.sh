@@ -16,6 +16,7 @@
 #   (d) attention alone: varlen vs sdpa vs flex (vs flash_varlen)       30 s
 #   (e) Qwen3-1.7B bf16 + compile + varlen                              45 s
 #   (f) more cases (eager, compiled loss, full AC, flex, flash) while the deadline allows
+# PYTHON picks the interpreter that has the CUDA torch (default python3).
 # Files in $OUT: gpu_check.log (all output), gpu_env.txt, gpu_tests.log (pytest, in full), gpu_check.jsonl (a line
 # per case), gpu_check.md (the table, rewritten after every case), gpu_phases.txt (each phase's outcome and time).
 set -uo pipefail
