@@ -29,17 +29,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def doc_boundaries(rows: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    cu, pos = [0], 0
-    lo, hi = min(256, seq_len // 4), min(4096, seq_len)
-    for _ in range(rows):
-        left = seq_len
-        while left > 0:
-            n = int(min(left, rng.integers(lo, hi)))
-            pos += n
-            cu.append(pos)
-            left -= n
-    return torch.tensor(cu, dtype=torch.int32)
+    """cu_seqlens over ``rows`` packed rows, documents as in bench_gpu's synthetic dataset."""
+    from bench_gpu import packed_doc_lengths
+
+    lens = [n for pack in packed_doc_lengths(rows, seq_len, np.random.default_rng(seed)) for n in pack]
+    return torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
 
 
 def time_backend(name: str, q, k, v, cu, rows, seq_len, backward: bool, iters: int = 10, warmup: int = 3) -> float:

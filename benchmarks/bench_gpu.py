@@ -62,19 +62,27 @@ CASES: dict[str, tuple[str, list[str], str | None, str]] = {
 }
 
 
+def packed_doc_lengths(n_packs: int, seq_len: int, rng: np.random.Generator) -> list[list[int]]:
+    """Per pack, documents of 256-4096 tokens (scaled down for short rows) filling the row exactly."""
+    lo, hi = min(256, seq_len // 4), min(4096, seq_len)
+    packs = []
+    for _ in range(n_packs):
+        lens, left = [], seq_len
+        while left > 0:
+            lens.append(int(min(left, rng.integers(lo, hi))))
+            left -= lens[-1]
+        packs.append(lens)
+    return packs
+
+
 def write_synthetic_dataset(path: Path, n_packs: int, seq_len: int, vocab: int, seed: int = 0) -> None:
     """A packed dataset in titan_sft's layout: random tokens, documents of random length, all loss-carrying."""
     rng = np.random.default_rng(seed)
     path.mkdir(parents=True)
     tokens = rng.integers(0, vocab, size=(n_packs, seq_len), dtype=np.int32)
     doc_lens, offsets = [], [0]
-    lo, hi = (min(256, seq_len // 4), min(4096, seq_len))
-    for _ in range(n_packs):
-        left = seq_len
-        while left > 0:
-            n = int(min(left, rng.integers(lo, hi)))
-            doc_lens.append(n)
-            left -= n
+    for lens in packed_doc_lengths(n_packs, seq_len, rng):
+        doc_lens += lens
         offsets.append(len(doc_lens))
     np.save(path / "tokens.npy", tokens)
     np.save(path / "assistant_mask.npy", np.ones((n_packs, seq_len), dtype=np.uint8))

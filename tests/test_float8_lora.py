@@ -2,7 +2,6 @@
 precision (emulated float8 on CPU), the trainable set unchanged by the conversion (a check stops the run when a
 converter changes it), and validation matmuls in the compute dtype."""
 
-import dataclasses
 import json
 import os
 import subprocess
