@@ -74,7 +74,7 @@ def main() -> None:
     prepare([str(data / "train.jsonl")], str(ROOT / "debug_tokenizer"), 256, str(data / "packed"), workers=1)
     m = json.loads((data / "packed" / "manifest.json").read_text())
     m["tokenizer"] = "titan_sft/assets/debug_tokenizer"
-    m["inputs"] = ["titan_sft/assets/debug_data/train.jsonl"]
+    m["input_files"] = ["titan_sft/assets/debug_data/train.jsonl"]
     (data / "packed" / "manifest.json").write_text(json.dumps(m, indent=2) + "\n")
 
     from titan_sft.data.prepare_diffusion import prepare_diffusion

@@ -86,6 +86,8 @@ class Data:
     shuffle_seed: int = doc(0, "seed of that order")
     skip_examples: int = doc(0, "start this many packed examples into the data order (continue where another "
                                 "run, e.g. the one a warm start's adapter came from, stopped); a resume keeps it")
+    allow_tokenizer_mismatch: bool = doc(False, "train on a dataset whose recorded tokenizer or chat template "
+                                                "hash differs from the run's tokenizer (otherwise a start-up error)")
 
 
 @dataclass

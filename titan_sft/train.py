@@ -24,6 +24,7 @@ from titan_sft.atomic import atomic_write_text
 from titan_sft.checkpoint import run_folder
 from titan_sft.config import ConfigError, JobConfig, check_tensor_parallel, check_vocab, config_help, load_config
 from titan_sft.converters import high_precision_matmuls
+from titan_sft.data.dataset import check_tokenizer
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
 from titan_sft.log import init_logging, logger
 from titan_sft.lr_schedule import total_steps
@@ -66,7 +67,9 @@ class Trainer:
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
         check_vocab(self.dataset.manifest.get("vocab_size", 0), self.args.vocab_size)
-        self.objective_record = self.objective.setup(self.args.vocab_size, self._tokenizer())
+        tokenizer = self._tokenizer()
+        check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
+        self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
         with torch.device("meta"):
             model = spec.model_cls(self.args)

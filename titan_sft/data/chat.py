@@ -34,6 +34,21 @@ def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+_EXPORT_PADDING = re.compile(r"<\|padding_\d+\|>")
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """Hash of what decides the ids: the tokenizer's own serialisation (vocabulary, merges, normaliser, added tokens)
+    and its special tokens. How its files are formatted does not enter, nor does the chat template (hashed apart),
+    nor the ``<|padding_i|>`` tokens an HF export appends up to the model's vocab_size (so an exported model's
+    tokenizer hashes like the one its data were prepared with)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", [])
+                            if t.get("special") or not _EXPORT_PADDING.fullmatch(t.get("content", ""))]
+    special = {k: v for k, v in sorted(tokenizer.special_tokens_map.items()) if isinstance(v, str)}
+    return sha256(json.dumps(spec, sort_keys=True) + json.dumps(special))
+
+
 def _stock_hashes() -> dict[str, str]:
     """sha256 of known stock templates -> the shipped marked template that renders the same text."""
     out = {}

@@ -130,3 +130,26 @@ class PackSubset:
 
     def __getitem__(self, i: int):
         return self.dataset[int(self.ids[i])]
+
+
+def check_tokenizer(dataset: "PackedDataset", tokenizer, allow_mismatch: bool, tokenizer_dir: str) -> None:
+    """The dataset's ids must come from the run's tokenizer and template: a dataset prepared with another one trains
+    on ids the model reads differently (and renders prompts unlike its exported tokenizer). Raises
+    :class:`DatasetError` (one line) unless ``allow_mismatch``. Datasets written before these hashes were recorded
+    (and the reference format) are checked on what they record."""
+    from titan_sft.data.chat import sha256, tokenizer_sha256
+
+    if tokenizer is None or allow_mismatch:
+        return
+    m, where = dataset.manifest, dataset.path / "manifest.json"
+    if m.get("tokenizer_sha256") and m["tokenizer_sha256"] != tokenizer_sha256(tokenizer):
+        raise DatasetError(f"{where}: prepared with another tokenizer ({m.get('tokenizer', '?')}) than the run's "
+                           f"({tokenizer_dir}); prepare it again with this one, or set "
+                           "data.allow_tokenizer_mismatch = true to train on it anyway")
+    template = getattr(tokenizer, "chat_template", None)
+    if m.get("chat_template_sha256") and isinstance(template, str) and m["chat_template_sha256"] != sha256(template):
+        raise DatasetError(f"{where}: prepared with another chat template ({m.get('chat_template_source', 'sha256 ')}"
+                           f"{'' if m.get('chat_template_source') else m['chat_template_sha256'][:12]}) than the "
+                           f"run's tokenizer holds ({tokenizer_dir}); prepare it again, or set "
+                           "data.allow_tokenizer_mismatch = true to train on it anyway")
+

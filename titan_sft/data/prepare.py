@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
-import io
 import json
 import multiprocessing as mp
 import os
@@ -26,7 +24,9 @@ from typing import Iterator
 
 import numpy as np
 
-from titan_sft.data.chat import BadRow, ChatEncoder, encoder_for, load_tokenizer, parse_line
+from titan_sft.data import cache
+from titan_sft.data.chat import BadRow, ChatEncoder, encoder_for, load_tokenizer, parse_line, tokenizer_sha256
+from titan_sft.data.sources import SourceError, iter_rows, open_sources
 
 FORMAT_VERSION = 1
 BATCH_LINES = 256  # lines per work item: fixed, so results never depend on the worker count
@@ -34,31 +34,6 @@ BATCH_LINES = 256  # lines per work item: fixed, so results never depend on the 
 
 class PrepareError(RuntimeError):
     """Stops the job with one message; nothing is written to --out."""
-
-
-def input_files(paths: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(x for x in p.iterdir() if x.name.endswith((".jsonl", ".jsonl.gz")))
-            if not found:
-                raise PrepareError(f"{p}: directory holds no .jsonl or .jsonl.gz files")
-            files.extend(found)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise PrepareError(f"{p}: no such file or directory")
-    return files
-
-
-def iter_lines(files: list[Path]) -> Iterator[tuple[str, int, str]]:
-    """(file, 1-based line number, text) for every non-blank line, streaming."""
-    for f in files:
-        raw = gzip.open(f, "rb") if f.name.endswith(".gz") else open(f, "rb")
-        with io.TextIOWrapper(raw, encoding="utf-8", errors="strict") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():
-                    yield str(f), lineno, line
 
 
 def _batches(lines: Iterator, size: int) -> Iterator[list]:
@@ -181,8 +156,14 @@ def prepare(
     max_docs_per_pack: int = 64,
     overwrite: bool = False,
     progress: bool = True,
+    max_rows: int = 0,
+    cache_dir: str | None = None,
 ) -> dict:
-    """Runs the whole job; returns the manifest. Raises :class:`PrepareError` with one clear message."""
+    """Runs the whole job; returns the manifest. Raises :class:`PrepareError` with one clear message.
+
+    ``inputs`` are input specs (:mod:`titan_sft.data.sources`); ``max_rows`` keeps the first rows only (0: all);
+    with ``cache_dir`` the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`).
+    """
     if seq_len < 2:
         raise PrepareError(f"--seq-len must be at least 2, got {seq_len}")
     if max_docs_per_pack < 1:
@@ -190,7 +171,9 @@ def prepare(
     out_dir = Path(out)
     if out_dir.exists() and not overwrite:
         raise PrepareError(f"{out_dir} already exists; choose another --out or pass --overwrite")
-    files = input_files(inputs)
+    if max_rows < 0:
+        raise PrepareError(f"--max-rows must be 0 (all) or positive, got {max_rows}")
+    sources = open_input(inputs)
     try:
         tokenizer = load_tokenizer(tokenizer_path)
     except (OSError, ValueError) as e:
@@ -203,23 +186,37 @@ def prepare(
     log(f"chat template: {resolved.source}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     workers = workers or os.cpu_count() or 1
+    tok_hash = tokenizer_sha256(tokenizer)
+    key = {"mode": "causal", "format_version": FORMAT_VERSION, "inputs": [s.identity for s in sources],
+           "tokenizer_sha256": tok_hash, "chat_template_sha256": resolved.sha256, "seq_len": seq_len,
+           "packing": packing, "overlength": overlength, "on_bad_row": on_bad_row, "max_docs_per_pack": max_docs_per_pack,
+           "max_rows": max_rows, "pad_id": pad_id}
+    target = out_dir
+    if cache_dir:
+        target, hit = cache.lookup(cache_dir, key)
+        if hit:
+            log(f"reusing cached {target} (same inputs, tokenizer, template and options)")
+            cache.link_tree(target, out_dir, overwrite)
+            return json.loads((out_dir / "manifest.json").read_text())
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         manifest = _prepare_into(
-            tmp, files, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs_per_pack, progress, log
+            tmp, sources, max_rows, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs_per_pack,
+            progress, log
         )
         manifest.update(
             tokenizer=str(tokenizer_path),
+            tokenizer_sha256=tok_hash,
             chat_template_sha256=resolved.sha256,
             chat_template_source=resolved.source,
             vocab_size=len(tokenizer),
             eos_id=tokenizer.eos_token_id,
             pad_id=pad_id,
-            inputs=[str(f) for f in files],
+            max_rows=max_rows,
         )
         if pad_id != 0:
             tokens = np.load(tmp / "tokens.npy", mmap_mode="r+")
@@ -228,12 +225,24 @@ def prepare(
             del tokens
         manifest.pop("_fill")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        if cache_dir:
+            cache.write_key(tmp, key)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if cache_dir:
+        cache.link_tree(target, out_dir, overwrite)
     return manifest
+
+
+def open_input(specs: list[str]):
+    """The sources of the input specs; an unreadable one is a :class:`PrepareError` naming it."""
+    try:
+        return open_sources(specs)
+    except SourceError as e:
+        raise PrepareError(str(e)) from None
 
 
 def _fill_padding(tokens: np.ndarray, used: np.ndarray, pad_id: int) -> None:
@@ -241,17 +250,18 @@ def _fill_padding(tokens: np.ndarray, used: np.ndarray, pad_id: int) -> None:
         tokens[p, used[p] :] = pad_id
 
 
-def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs, progress, log):
+def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs,
+                  progress, log):
     global _ENCODER
     _ENCODER = encoder
     stats = Stats()
     bar = Progress(progress)
     lens: list[int] = []
-    sources: list[tuple[int, int]] = []  # (input file index, line number) of every kept conversation
-    file_index = {str(f): i for i, f in enumerate(files)}
+    kept: list[tuple[int, int]] = []  # (input index, line number) of every kept conversation
+    file_index = {s.label: i for i, s in enumerate(sources)}
     tok_f = open(tmp / "_scratch_tokens.bin", "wb")
     mask_f = open(tmp / "_scratch_mask.bin", "wb")
-    batches = _batches(iter_lines(files), BATCH_LINES)
+    batches = _batches(iter_rows(sources, max_rows), BATCH_LINES)
     pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
     try:
         results = pool.imap(_encode_batch, batches, chunksize=1) if pool else map(_encode_batch, batches)
@@ -282,7 +292,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
                 tok_f.write(ids.tobytes())
                 mask_f.write(mask.tobytes())
                 lens.append(len(ids))
-                sources.append((file_index[str(file)], lineno))
+                kept.append((file_index[file], lineno))
             bar.update(stats)
     finally:
         if pool:
@@ -319,7 +329,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
             tokens[p, pos : pos + n] = src_tok[starts[i] : starts[i] + n]
             amask[p, pos : pos + n] = src_mask[starts[i] : starts[i] + n]
             doc_lens[d] = n
-            doc_sources[d] = sources[i]
+            doc_sources[d] = kept[i]
             d += 1
             pos += n
         offsets[p + 1] = d
@@ -353,7 +363,7 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
         "overlength": {"policy": overlength, "truncated": stats.truncated,
                        "dropped": stats.dropped_overlength, "dropped_no_loss_after_truncation": stats.dropped_no_loss,
                        "first_dropped_no_loss": stats.first_no_loss},
-        "input_files": [str(f) for f in files],
+        "input_files": [s.label for s in sources],
         "bad_rows": {"policy": on_bad_row, "skipped": stats.bad_rows, "first": stats.first_bad},
         "tokens_dtype": "int32",
         "_fill": used,
@@ -362,7 +372,10 @@ def _prepare_into(tmp, files, encoder, seq_len, packing, overlength, on_bad_row,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare", description=__doc__.split("\n")[0])
-    ap.add_argument("--input", nargs="+", required=True, help=".jsonl / .jsonl.gz files or directories of them")
+    ap.add_argument("--input", nargs="+", required=True,
+                    help=".jsonl(.gz) files or directories of them; parquet/arrow/json files or directories, a saved "
+                         "dataset or a hub id in the datasets cache, each optionally SPEC@SPLIT (train[:8], "
+                         "train[10%%:])")
     ap.add_argument("--tokenizer", required=True, help="local HF tokenizer directory")
     ap.add_argument("--seq-len", type=int, required=True, help="packed example length (tokens)")
     ap.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
@@ -373,12 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     ap.add_argument("--max-docs-per-pack", type=int, default=64)
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--max-rows", type=int, default=0, help="use only the first N input rows (0: all)")
+    ap.add_argument("--cache-dir", default=os.environ.get("TITAN_SFT_DATA_CACHE"),
+                    help="reuse / keep prepared datasets here, keyed by inputs, tokenizer, template and options "
+                         "(default: $TITAN_SFT_DATA_CACHE; unset: no cache)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         m = prepare(a.input, a.tokenizer, a.seq_len, a.out, a.chat_template, a.packing, a.overlength,
-                    a.on_bad_row, a.workers, a.max_docs_per_pack, a.overwrite, progress=not a.quiet)
+                    a.on_bad_row, a.workers, a.max_docs_per_pack, a.overwrite, progress=not a.quiet,
+                    max_rows=a.max_rows, cache_dir=a.cache_dir)
     except PrepareError as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2

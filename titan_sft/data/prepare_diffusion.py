@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
-from titan_sft.data.chat import ROLES, encoder_for, load_tokenizer
-from titan_sft.data.prepare import FORMAT_VERSION, PrepareError, input_files, iter_lines, pack_greedy
+from titan_sft.data import cache
+from titan_sft.data.chat import ROLES, encoder_for, load_tokenizer, tokenizer_sha256
+from titan_sft.data.prepare import BATCH_LINES, FORMAT_VERSION, PrepareError, _batches, open_input, pack_greedy
+from titan_sft.data.sources import iter_rows
 
 SPLITS = ("train", "validation", "test")
 
@@ -129,6 +133,39 @@ class ExampleEncoder:
         return ids[:start], answer_ids
 
 
+_WORK: tuple | None = None  # (encoder, max_history_turns, history_prob, split_seed), set before the pool forks
+
+
+def _encode_rows(batch: list[tuple[int, int, str]]) -> list[tuple]:
+    """Worker: per row ('ok', [(prompt ids, answer ids)], empty assistant turns) | ('skip',) | ('bad', reason)."""
+    enc, max_history, history_prob, seed = _WORK
+    out = []
+    for fidx, lineno, line in batch:
+        try:
+            row = json.loads(line)
+            # A generator per row (seed, input, line): history sampling never depends on other rows.
+            pairs = examples_from_row(row, np.random.default_rng([seed, fidx, lineno]), max_history, history_prob)
+            encoded = [enc(p, a) for p, a in pairs]
+        except SkipRow:
+            out.append(("skip",))
+            continue
+        except (ValueError, json.JSONDecodeError) as e:
+            out.append(("bad", f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)))
+            continue
+        empty = sum(1 for m in row.get("messages", []) if isinstance(m, dict)
+                    and m.get("role") == "assistant" and not str(m.get("content") or "").strip())
+        out.append(("ok", encoded, empty))
+    return out
+
+
+def _encode_in_order(pool, rows: list) -> Iterator[tuple[tuple, tuple]]:
+    """(row, result) for every row in input order, batches encoded by the pool's workers (or here)."""
+    batches = list(_batches(iter(rows), BATCH_LINES))
+    results = pool.imap(_encode_rows, batches, chunksize=1) if pool else map(_encode_rows, batches)
+    for batch, res_batch in zip(batches, results):
+        yield from zip(batch, res_batch)
+
+
 def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bool, eot: int, pad_id: int) -> dict:
     """Writes one split in the packed layout; ``docs`` are (prompt ids, answer ids)."""
     out.mkdir(parents=True)
@@ -175,9 +212,19 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                       validation: list[str] | None = None, test: list[str] | None = None, validation_size: int = 0,
                       test_size: int = 0, split_seed: int = 0, max_history_turns: int = -1, history_prob: float = 1.0,
                       chat_template: str | None = None, overlength: str = "drop", on_bad_row: str = "error",
-                      overwrite: bool = False, log=None) -> dict:
-    """Runs the whole job; returns the top-level manifest. Raises :class:`PrepareError` with one clear message."""
+                      overwrite: bool = False, log=None, workers: int = 1, max_rows: int = 0,
+                      cache_dir: str | None = None) -> dict:
+    """Runs the whole job; returns the top-level manifest. Raises :class:`PrepareError` with one clear message.
+
+    Inputs are input specs (:mod:`titan_sft.data.sources`). ``workers`` processes render and tokenize rows
+    (output identical for any count); ``max_rows`` keeps the first training rows only (0: all); with ``cache_dir``
+    the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`).
+    """
     log = log or (lambda msg: None)
+    if workers < 1:
+        raise PrepareError(f"--workers must be at least 1, got {workers}")
+    if max_rows < 0:
+        raise PrepareError(f"--max-rows must be 0 (all) or positive, got {max_rows}")
     if seq_len < 2:
         raise PrepareError(f"--seq-len must be at least 2, got {seq_len}")
     if not 0.0 <= history_prob <= 1.0:
@@ -193,12 +240,30 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
     except (OSError, ValueError) as e:
         raise PrepareError(f"--tokenizer {tokenizer_path}: {e}") from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else enc.eot
+    tok_hash = tokenizer_sha256(tokenizer)
 
-    # Rows of every split, in input order: (file index, line, text).
-    files = {s: input_files(p) for s, p in (("train", inputs), ("validation", validation), ("test", test)) if p}
-    all_files = [f for fs in files.values() for f in fs]
-    file_index = {str(f): i for i, f in enumerate(all_files)}
-    rows = {s: [(file_index[f], n, line) for f, n, line in iter_lines(fs)] for s, fs in files.items()}
+    # Rows of every split, in input order: (input index, line, text).
+    sources = {s: open_input(p) for s, p in (("train", inputs), ("validation", validation), ("test", test)) if p}
+    all_sources = [x for xs in sources.values() for x in xs]
+    labels = [x.label for x in all_sources]
+    if len(set(labels)) != len(labels):
+        raise PrepareError(f"{next(x for x in labels if labels.count(x) > 1)}: given for more than one split")
+    file_index = {label: i for i, label in enumerate(labels)}
+    key = {"mode": "diffusion", "format_version": FORMAT_VERSION, "tokenizer_sha256": tok_hash,
+           "chat_template_sha256": enc.resolved.sha256, "seq_len": seq_len, "eos_pad": eos_pad,
+           "inputs": {s: [x.identity for x in xs] for s, xs in sources.items()}, "validation_size": validation_size,
+           "test_size": test_size, "split_seed": split_seed, "max_history_turns": max_history_turns,
+           "history_prob": history_prob, "overlength": overlength, "on_bad_row": on_bad_row, "max_rows": max_rows,
+           "pad_id": pad_id}
+    target = out_dir
+    if cache_dir:
+        target, hit = cache.lookup(cache_dir, key)
+        if hit:
+            log(f"reusing cached {target} (same inputs, tokenizer, template and options)")
+            cache.link_tree(target, out_dir, overwrite)
+            return json.loads((out_dir / "manifest.json").read_text())
+    rows = {s: [(file_index[f], n, line) for f, n, line in iter_rows(xs, max_rows if s == "train" else 0)]
+            for s, xs in sources.items()}
     carve = {"validation": validation_size, "test": test_size}
     if validation_size or test_size:
         train = rows["train"]
@@ -214,41 +279,37 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
         held = set(order[:taken].tolist())
         rows["train"] = [r for i, r in enumerate(train) if i not in held]
 
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     manifest = {"format_version": FORMAT_VERSION, "kind": "prompt_answer_splits", "tokenizer": str(tokenizer_path),
-                "chat_template_sha256": enc.resolved.sha256, "vocab_size": len(tokenizer), "eos_id": enc.eot,
-                "pad_id": pad_id, "max_seq_len": seq_len, "eos_pad": eos_pad, "input_files": [str(f) for f in all_files],
+                "tokenizer_sha256": tok_hash, "chat_template_sha256": enc.resolved.sha256,
+                "vocab_size": len(tokenizer), "eos_id": enc.eot, "pad_id": pad_id, "max_seq_len": seq_len,
+                "eos_pad": eos_pad, "input_files": labels, "max_rows": max_rows,
                 "history": {"max_turns": max_history_turns, "prob": history_prob}, "overlength": overlength,
                 "split_seed": split_seed, "splits": {}}
+    global _WORK
+    _WORK = (enc, max_history_turns, history_prob, split_seed)
+    pool = mp.get_context("fork").Pool(workers) if workers > 1 else None
     try:
         for split, split_rows in rows.items():
             stats = SplitStats()
-            docs, sources = [], []
-            for fidx, lineno, line in split_rows:
+            docs, kept = [], []
+            for (fidx, lineno, _), res in _encode_in_order(pool, split_rows):
                 stats.rows += 1
-                where = f"{all_files[fidx]}:{lineno}"
-                try:
-                    row = json.loads(line)
-                    # A generator per row (seed, file, line): history sampling never depends on other rows.
-                    pairs = examples_from_row(row, np.random.default_rng([split_seed, fidx, lineno]),
-                                              max_history_turns, history_prob)
-                    encoded = [enc(p, a) for p, a in pairs]
-                except SkipRow:
+                if res[0] == "skip":
                     stats.skipped_empty_answer += 1
                     continue
-                except (ValueError, json.JSONDecodeError) as e:
-                    reason = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
+                if res[0] == "bad":
+                    where = f"{labels[fidx]}:{lineno}"
                     if on_bad_row == "error":
-                        raise PrepareError(f"{where}: {reason} (use --on-bad-row skip to skip bad rows)") from None
+                        raise PrepareError(f"{where}: {res[1]} (use --on-bad-row skip to skip bad rows)")
                     stats.bad_rows += 1
                     if len(stats.first_bad) < 20:
-                        stats.first_bad.append(f"{where}: {reason}")
+                        stats.first_bad.append(f"{where}: {res[1]}")
                     continue
-                empty_turns = sum(1 for m in row.get("messages", []) if isinstance(m, dict)
-                                  and m.get("role") == "assistant" and not str(m.get("content") or "").strip())
+                _, encoded, empty_turns = res
                 stats.skipped_empty_answer += empty_turns
                 for prompt, answer in encoded:
                     if len(prompt) + len(answer) > seq_len:
@@ -258,12 +319,12 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                         answer = answer[: seq_len - len(prompt)]
                         stats.truncated += 1
                     docs.append((prompt, answer))
-                    sources.append((fidx, lineno))
+                    kept.append((fidx, lineno))
                     stats.examples += 1
             if not docs:
                 raise PrepareError(f"split '{split}': no usable examples")
-            m = _write_split(tmp / split, docs, sources, seq_len, eos_pad, enc.eot, pad_id)
-            m.update(tokenizer=str(tokenizer_path), chat_template_sha256=enc.resolved.sha256,
+            m = _write_split(tmp / split, docs, kept, seq_len, eos_pad, enc.eot, pad_id)
+            m.update(tokenizer=str(tokenizer_path), tokenizer_sha256=tok_hash, chat_template_sha256=enc.resolved.sha256,
                      vocab_size=len(tokenizer), eos_id=enc.eot, pad_id=pad_id, input_files=manifest["input_files"],
                      split=split, rows=stats.rows, skipped_empty_answer=stats.skipped_empty_answer,
                      overlength={"policy": overlength, "dropped": stats.dropped_overlength,
@@ -276,23 +337,31 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                 f"({stats.skipped_empty_answer} empty answers skipped, {stats.dropped_overlength} over-length "
                 f"dropped, {stats.truncated} truncated, {stats.bad_rows} bad rows)")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        if cache_dir:
+            cache.write_key(tmp, key)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
     finally:
+        if pool:
+            pool.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
+    if cache_dir:
+        cache.link_tree(target, out_dir, overwrite)
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare_diffusion", description=__doc__.split("\n")[0])
-    ap.add_argument("--input", nargs="+", required=True, help="training rows: .jsonl / .jsonl.gz files or directories")
+    ap.add_argument("--input", nargs="+", required=True,
+                    help="training rows: .jsonl(.gz) files or directories; parquet/arrow/json files or directories, a "
+                         "saved dataset or a hub id in the datasets cache, each optionally SPEC@SPLIT (train[:8])")
     ap.add_argument("--tokenizer", required=True, help="local HF tokenizer directory (with a chat template)")
     ap.add_argument("--seq-len", type=int, required=True, help="pack length (tokens)")
     ap.add_argument("--out", required=True, help="output directory: train/, validation/, test/")
     ap.add_argument("--eos-pad", action="store_true", help="pad each answer with end-of-turn tokens to --seq-len")
-    ap.add_argument("--validation", nargs="+", default=None, help="validation rows (files)")
-    ap.add_argument("--test", nargs="+", default=None, help="test rows (files)")
+    ap.add_argument("--validation", nargs="+", default=None, help="validation rows (input specs, as --input)")
+    ap.add_argument("--test", nargs="+", default=None, help="test rows (input specs, as --input)")
     ap.add_argument("--validation-size", type=int, default=0, help="rows of --input held out for validation")
     ap.add_argument("--test-size", type=int, default=0, help="rows of --input held out for test")
     ap.add_argument("--split-seed", type=int, default=0, help="seed of the held-out choice and history sampling")
@@ -305,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="an example longer than --seq-len: drop it, or cut its answer")
     ap.add_argument("--on-bad-row", choices=["error", "skip"], default="error")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--workers", type=int, default=1, help="processes rendering and tokenizing rows")
+    ap.add_argument("--max-rows", type=int, default=0, help="use only the first N training input rows (0: all)")
+    ap.add_argument("--cache-dir", default=os.environ.get("TITAN_SFT_DATA_CACHE"),
+                    help="reuse / keep prepared datasets here, keyed by inputs, tokenizer, template and options "
+                         "(default: $TITAN_SFT_DATA_CACHE; unset: no cache)")
     a = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -312,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                           test=a.test, validation_size=a.validation_size, test_size=a.test_size,
                           split_seed=a.split_seed, max_history_turns=a.max_history_turns,
                           history_prob=a.history_prob, chat_template=a.chat_template, overlength=a.overlength,
-                          on_bad_row=a.on_bad_row, overwrite=a.overwrite,
+                          on_bad_row=a.on_bad_row, overwrite=a.overwrite, workers=a.workers, max_rows=a.max_rows,
+                          cache_dir=a.cache_dir,
                           log=lambda msg: print(f"prepare_diffusion: {msg}", file=sys.stderr))
     except PrepareError as e:
         print(f"prepare_diffusion: error: {e}", file=sys.stderr)
