@@ -160,6 +160,16 @@ def test_loss_equals_hand_computation(one_rank_group, overrides):
     got = obj.loss(model, mb).item()
     assert got == pytest.approx(_expected_loss(model, packs, keys, cfg, mb), rel=1e-5)
     assert obj.step_metrics()["n_examples"] == 3
+    if not cfg.objective.split_loss:
+        assert obj.step_sums() == []
+        return
+    # The component losses of the train record: they add up to the loss, and the answer part is the hand
+    # computation's answer term (its padding weight set to 0).
+    answer, padding = (x.item() for x in obj.step_sums())
+    assert answer + padding == pytest.approx(got, rel=1e-6) and padding > 0
+    cfg.objective.padding_weight = 0.0
+    assert answer == pytest.approx(_expected_loss(model, packs, keys, cfg, mb), rel=1e-5)
+    assert obj.step_metrics([answer, padding])["loss_answer"] == answer
 
 
 def test_prompt_never_masked_and_mask_fraction_tracks_t():

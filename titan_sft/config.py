@@ -84,6 +84,8 @@ class Data:
     path: str = doc("", "packed dataset directory (python -m titan_sft.data.prepare)")
     shuffle: bool = doc(False, "visit packs in a seeded random order instead of the recipe's sequential one")
     shuffle_seed: int = doc(0, "seed of that order")
+    reshuffle_each_epoch: bool = doc(False, "with shuffle: a new seeded order every epoch (the reference diffusion "
+                                            "trainer) instead of one order repeated")
     skip_examples: int = doc(0, "start this many packed examples into the data order (continue where another "
                                 "run, e.g. the one a warm start's adapter came from, stopped); a resume keeps it")
     allow_tokenizer_mismatch: bool = doc(False, "train on a dataset whose recorded tokenizer or chat template "
@@ -92,7 +94,9 @@ class Data:
 
 @dataclass
 class Training:
-    steps: int = doc(0, "optimizer steps; 0 = 8 epochs over the packed data (the recipe)")
+    steps: int = doc(0, "optimizer steps; 0 = training.epochs over the packed data")
+    epochs: int = doc(8, "with steps = 0: passes over the packed data (8: the recipe; 1: the reference diffusion "
+                         "trainer)")
     stop_at_step: int = doc(0, "stop cleanly with a checkpoint after this many steps, keeping the schedule of "
                                "steps; 0 runs to the end")
     global_batch_size: int = doc(8, "packed examples per optimizer step, all ranks together")
@@ -183,18 +187,24 @@ class Metrics:
     wandb_project: str = doc("", "Weights & Biases project; empty disables W&B")
     wandb_id: str = doc("", "W&B run id to resume; empty starts a new run")
     wandb_run_name: str = doc("", "W&B run name; empty lets W&B choose")
+    progress_bar: Literal["auto", True, False] = doc(
+        "auto", "a live progress bar (rank 0: step, running loss, rate, ETA) under the log lines; auto: when "
+                "stderr is a terminal")
 
 
 @dataclass
 class Validation:
     generation_eval_path: str = doc("", "JSONL of held-out chats: after the final export, greedy decoding of "
-                                        "each prompt and exact match with the last assistant turn; empty disables")
+                                        "each prompt and exact match with the last assistant turn; empty disables; "
+                                        "masked_diffusion: \"builtin\" is a shipped list of 30 varied prompts")
     max_new_tokens: int = doc(32, "tokens generated per held-out prompt")
     max_examples: int = doc(200, "held-out prompts evaluated at most")
     path: str = doc("", "packed dataset for the held-out loss (prepare's output); empty: none, or holdout_fraction")
     holdout_fraction: float = doc(0.0, "hold this fraction of the training packs out for the held-out loss "
                                        "(seeded split; they are not trained on)")
     holdout_seed: int = doc(0, "seed of that split")
+    max_packs: int = doc(0, "held-out and test loss: evaluate only the first this many packs of the split (0: all)")
+    batch_size: int = doc(0, "packs per forward in held-out and test evaluation (0: training.per_device_batch)")
     interval: int = doc(0, "held-out loss every this many steps (and after the last); 0: only after the last")
     keep_best: Literal["auto", True, False] = doc(
         "auto", "keep the checkpoint with the lowest held-out loss in checkpoints-best/ (LoRA: and adapters/best); "
@@ -424,8 +434,11 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}': got {value!r}, allowed: {allowed}")
 
     t, o, s, c = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
-    need(t.steps >= 0, "training.steps", ">= 0 (0 = 8 epochs)", t.steps)
+    need(t.steps >= 0, "training.steps", ">= 0 (0 = training.epochs)", t.steps)
+    need(t.epochs >= 1, "training.epochs", ">= 1", t.epochs)
     need(cfg.data.skip_examples >= 0, "data.skip_examples", ">= 0", cfg.data.skip_examples)
+    need(not cfg.data.reshuffle_each_epoch or cfg.data.shuffle, "data.reshuffle_each_epoch",
+         "true only together with data.shuffle = true", cfg.data.reshuffle_each_epoch)
     need(t.stop_at_step >= 0, "training.stop_at_step", ">= 0 (0 = run to the end)", t.stop_at_step)
     need(t.global_batch_size >= 1, "training.global_batch_size", ">= 1", t.global_batch_size)
     need(t.per_device_batch >= 1, "training.per_device_batch", ">= 1", t.per_device_batch)
@@ -496,6 +509,8 @@ def validate(cfg: JobConfig) -> None:
     need(v.gen_steps % max(1, v.gen_length // v.block_length) == 0 and v.gen_steps >= v.gen_length // v.block_length,
          "validation.gen_steps", "a positive multiple of the blocks gen_length / block_length", v.gen_steps)
     need(v.temperature >= 0, "validation.temperature", ">= 0", v.temperature)
+    need(v.max_packs >= 0, "validation.max_packs", "0 (all) or a positive count", v.max_packs)
+    need(v.batch_size >= 0, "validation.batch_size", "0 (training.per_device_batch) or a positive count", v.batch_size)
     need(not v.keep_best or bool(v.path or v.holdout_fraction), "validation.keep_best",
          "false unless validation.path or validation.holdout_fraction gives a held-out set", v.keep_best)
     p = cfg.parallelism

@@ -121,6 +121,21 @@ def distinct_n(sequences: list[list[int]], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+def distinct_n_per_text(sequences: list[list[int]], n: int) -> float | None:
+    """Distinct n-grams / n-grams of each text, averaged over the texts that have an n-gram (None if none has)."""
+    ratios = [distinct_n([s], n) for s in sequences if len(s) >= n]
+    return statistics.fmean(ratios) if ratios else None
+
+
+def text_prefix_id(tokenizer) -> int:
+    """The token a text alone is scored after (the reference's BOS + text): the tokenizer's BOS, else the
+    end-of-document token ``<|endoftext|>`` (Qwen3 has no BOS), else its EOS."""
+    if tokenizer.bos_token_id is not None:
+        return tokenizer.bos_token_id
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return eot if isinstance(eot, int) and eot != tokenizer.unk_token_id else tokenizer.eos_token_id
+
+
 def answer_tokens(generated: list[int], end_ids: list[int]) -> list[int]:
     """The answer proper: up to and including the first end token (the rest is EOS padding)."""
     for i, t in enumerate(generated):
@@ -133,8 +148,10 @@ class GenerationValidator:
     """Every ``validation.generation_every`` validation rounds (and after the last step): the sampler on the
     prompts of ``validation.generation_eval_path``, then each text's perplexity under the base model (the
     initial value of every trainable parameter restored: LoRA adapters contribute nothing and the norms are the
-    original ones; causal attention), pooled and as mean / median per text, distinct-1/2/3 and, where the rows carry
-    a reference answer, exact match. Every text with its scores goes to ``generation_metrics.jsonl``.
+    original ones; causal attention), pooled and as mean / median per text, both given the prompt and of the text
+    alone after :func:`text_prefix_id` (the reference's "BOS + text"), the mean NLL per token of each, token
+    counts, distinct-1/2/3 pooled over all texts and per text averaged, and, where the rows carry a reference
+    answer, exact match. Every text with its scores goes to ``generation_metrics.jsonl``.
 
     All ranks run the same forwards (FSDP needs every rank in each forward); rank 0 writes.
     """
@@ -152,7 +169,7 @@ class GenerationValidator:
 
             tok_dir = PackedDataset(cfg.data.path).manifest.get("tokenizer", "")
         self.tokenizer = load_tokenizer(resolve_hf_dir(tok_dir))
-        self.prompts = load_prompts(v.generation_eval_path, self.tokenizer, v.max_examples)
+        self.prompts = load_prompts(resolve_prompts(v.generation_eval_path), self.tokenizer, v.max_examples)
         self.every, self.rounds = v.generation_every, 0
         self.interval = v.interval
         # The base model: the starting value of every trainable parameter (this rank's shard), kept on the host.
@@ -189,49 +206,55 @@ class GenerationValidator:
                            forbid_ids=end_ids if v.no_early_eos else None, seed=self.cfg.validation.noise_seed + i,
                            shift=self.cfg.objective.shift)
             outs.append(answer_tokens(ids.tolist(), end_ids))
-        nll = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device)
+        nll, alone = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device)
         model.train(was_training)
-        rows, ppl, correct, n_ref = [], [], 0, 0
-        for i, ((prompt, ref), toks, (s, n)) in enumerate(zip(self.prompts, outs, nll)):
+        rows, correct, n_ref = [], 0, 0
+        ppl = lambda s, n: math.exp(s / n) if n else float("nan")  # noqa: E731
+        for i, ((prompt, ref), toks, (s, n), (s_alone, _)) in enumerate(zip(self.prompts, outs, nll, alone)):
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            p = math.exp(s / n) if n else float("nan")
-            ppl.append(p)
             row = {"step": step, "index": i, "prompt": self.tokenizer.decode(prompt), "text": text,
-                   "n_tokens": len(toks), "perplexity": p}
+                   "n_tokens": len(toks), "perplexity": ppl(s, n), "perplexity_text": ppl(s_alone, n),
+                   "nll": s / n if n else None, "nll_text": s_alone / n if n else None}
             if ref is not None:
                 ok = _THINK.sub("", text).strip() == _THINK.sub("", ref).strip()
                 row["reference"], row["exact_match"] = ref, ok
                 correct, n_ref = correct + ok, n_ref + 1
             rows.append(row)
-        total_nll, total_n = sum(s for s, _ in nll), sum(n for _, n in nll)
-        finite = [p for p in ppl if math.isfinite(p)]
-        summary = {"split": "generation", "step": step, "n_texts": len(outs),
-                   "perplexity_pooled": math.exp(total_nll / total_n) if total_n else None,
-                   "perplexity_mean": statistics.fmean(finite) if finite else None,
-                   "perplexity_median": statistics.median(finite) if finite else None,
-                   **{f"distinct_{n}": distinct_n(outs, n) for n in (1, 2, 3)},
+        total_n = sum(n for _, n in nll)
+        summary = {"split": "generation", "step": step, "n_texts": len(outs), "n_tokens": total_n,
                    "mean_length": statistics.fmean(len(o) for o in outs) if outs else 0.0}
+        for suffix, scores in (("", nll), ("_text", alone)):
+            total = sum(s for s, _ in scores)
+            finite = [p for p in (ppl(s, n) for s, n in scores) if math.isfinite(p)]
+            summary.update({f"perplexity{suffix}_pooled": math.exp(total / total_n) if total_n else None,
+                            f"perplexity{suffix}_mean": statistics.fmean(finite) if finite else None,
+                            f"perplexity{suffix}_median": statistics.median(finite) if finite else None,
+                            f"nll{suffix}_mean": total / total_n if total_n else None})
+        for n in (1, 2, 3):
+            summary[f"distinct_{n}"] = distinct_n(outs, n)
+            summary[f"distinct_{n}_per_text"] = distinct_n_per_text(outs, n)
         if n_ref:
             summary["exact_match"] = correct / n_ref
         return summary, rows
 
-    def base_model_nll(self, model, prompts, outs, device) -> list[tuple[float, int]]:
-        """(summed NLL, tokens) of each generated answer given its prompt, under the base model with causal
-        attention: trainable parameters swapped for their starting values, then back."""
+    def base_model_nll(self, model, prompts, outs, device) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+        """(summed NLL, tokens) of each generated answer given its prompt, and of the answer alone after
+        :func:`text_prefix_id`, under the base model with causal attention: trainable parameters swapped for their
+        starting values, then back."""
         swap_parameters(model, self.base)
         backend = model.backend
         backend.causal = True
+        prefix = [text_prefix_id(self.tokenizer)]
+
+        def score(context: list[int], toks: list[int]) -> tuple[float, int]:
+            if not toks:
+                return 0.0, 0
+            ids = torch.tensor([context + toks], device=device)
+            logits = model(ids).float()[0, len(context) - 1 : -1]
+            return float(F.cross_entropy(logits, ids[0, len(context):], reduction="sum")), len(toks)
+
         try:
-            res = []
-            for prompt, toks in zip(prompts, outs):
-                if not toks:
-                    res.append((0.0, 0))
-                    continue
-                ids = torch.tensor([prompt + toks], device=device)
-                logits = model(ids).float()[0, len(prompt) - 1 : -1]
-                nll = F.cross_entropy(logits, ids[0, len(prompt):], reduction="sum")
-                res.append((float(nll), len(toks)))
-            return res
+            return ([score(p, t) for p, t in zip(prompts, outs)], [score(prefix, t) for t in outs])
         finally:
             backend.causal = False
             swap_parameters(model, self.base)
@@ -252,6 +275,15 @@ def swap_parameters(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> N
         tmp = local.cpu().clone()
         local.copy_(saved.to(local.device))
         store[name] = tmp
+
+
+BUILTIN_PROMPTS = Path(__file__).resolve().parent / "assets" / "generation_prompts.jsonl"
+
+
+def resolve_prompts(path: str) -> str:
+    """``builtin``: the shipped 30 varied prompts (user turns without references, as the reference trainer's
+    built-in list); anything else is a JSONL path."""
+    return str(BUILTIN_PROMPTS) if path == "builtin" else path
 
 
 def load_prompts(path: str, tokenizer, limit: int) -> list[tuple[list[int], str | None]]:

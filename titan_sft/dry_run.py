@@ -99,7 +99,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"{m.get('n_loss_targets', int(ds.assistant_counts.sum())):,} loss targets)",
             f"global batch: {B} packed examples = {B * L:,} tokens per step; per device {cfg.training.per_device_batch}",
             *([f"held out for validation: {len(held):,} packs (validation.holdout_fraction)"] if len(held) else []),
-            f"steps: {T} ({'8 epochs' if cfg.training.steps == 0 else 'explicit'}), presenting {T * B * L:,} tokens = "
+            f"steps: {T} ({f'{cfg.training.epochs} epochs' if cfg.training.steps == 0 else 'explicit'}), presenting {T * B * L:,} tokens = "
             f"{T * B / len(trained):.2f} epochs",
         ]
     else:
@@ -110,7 +110,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"{cfg.data.path}); "
             "tokens per step and epochs follow from it",
             f"global batch: {B} packed examples per step; per device {cfg.training.per_device_batch}",
-            f"steps: {T} (explicit)" if T else "steps: 8 epochs of the packed data (known once it is prepared)",
+            f"steps: {T} (explicit)" if T else f"steps: {cfg.training.epochs} epochs of the packed data (known once it is prepared)",
         ]
     o = cfg.optimizer
     lr = scaled_lr(o, B)
@@ -175,7 +175,8 @@ def dry_run(cfg: JobConfig) -> str:
         *schedule_lines,
         f"weight decay {cfg.optimizer.weight_decay:g} on {len(decay)} tensors; excluded ({len(no_decay)}): norms, "
         f"token embedding{' (tied with the head)' if args.tie_embeddings else ''}, biases",
-        f"clip to global norm {cfg.training.max_grad_norm:g}; {'AdamW8bit' if o.name == 'adamw8bit' else 'AdamW'} betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2})"
+        (f"clip to global norm {cfg.training.max_grad_norm:g}; " if cfg.training.max_grad_norm else "no clipping; ") +
+        f"{'AdamW8bit' if o.name == 'adamw8bit' else 'AdamW'} betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2})"
         f", eps {cfg.optimizer.eps:g}",
         (f"loss groups: {cfg.training.loss_groups} of {B // cfg.training.loss_groups} examples (mean of group token "
          "means)") if cfg.objective.name == "causal_lm" else _objective_line(cfg),

@@ -52,8 +52,9 @@ class Schedule:
 
 
 def total_steps(cfg, n_packs: int) -> int:
-    """``training.steps``, or 0 = 8 epochs over the packed data: ceil(8 * n_packs / global batch) (the recipe)."""
-    return cfg.training.steps or math.ceil(8 * n_packs / cfg.training.global_batch_size)
+    """``training.steps``, or 0 = ``training.epochs`` (8, the recipe) over the packed data:
+    ceil(epochs * n_packs / global batch)."""
+    return cfg.training.steps or math.ceil(cfg.training.epochs * n_packs / cfg.training.global_batch_size)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_steps: int):

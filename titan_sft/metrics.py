@@ -16,6 +16,7 @@ Two MFUs, both against the GPU's dense bf16 peak (recomputation under activation
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +93,11 @@ class MetricsLogger:
         self.t_start = time.monotonic()
         self.start_step: int | None = None
         self._losses: list[float] = []  # train losses since the last logged record (the running loss)
-        self.jsonl = self.tb = self.wandb = None
+        self.jsonl = self.tb = self.wandb = self.bar = None
         if rank != 0:
             return
+        if cfg.progress_bar is True or (cfg.progress_bar == "auto" and sys.stderr.isatty()):
+            self.bar = ProgressBar(total_steps)
         Path(dump_folder).mkdir(parents=True, exist_ok=True)
         self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a")
         if cfg.enable_tensorboard:
@@ -123,9 +126,12 @@ class MetricsLogger:
                 "memory_gib": memory}
 
     def observe(self, record: dict) -> None:
-        """Every train step's record, logged or not: feeds ``loss_running`` (the mean loss since the last log)."""
+        """Every train step's record, logged or not: feeds ``loss_running`` (the mean loss since the last log) and
+        the progress bar."""
         if "loss" in record and not record.get("skipped"):
             self._losses.append(record["loss"])
+        if self.bar:
+            self.bar.update(record)
 
     def log(self, record: dict) -> None:
         """Writes one record (train or validation); prints a progress line for train records."""
@@ -163,12 +169,42 @@ class MetricsLogger:
             logger.info(f"[{split}] step {step}: {fields}")
 
     def close(self) -> None:
+        if self.bar:
+            self.bar.close()
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+class ProgressBar:
+    """A tqdm bar on stderr: steps done of the run, the step's loss and the running mean since the start of this
+    process, lr, rate and ETA. titan_sft's log lines are written above it (through tqdm, which redraws the bar)."""
+
+    def __init__(self, total: int, file=None):
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self.bar = tqdm(total=total, unit="step", file=file or sys.stderr, dynamic_ncols=True, leave=True,
+                        mininterval=0.5, smoothing=0.1)
+        self.redirect = logging_redirect_tqdm(loggers=[logger])
+        self.redirect.__enter__()
+        self.loss_sum, self.n = 0.0, 0
+
+    def update(self, record: dict) -> None:
+        if self.bar.n == 0 and record["step"] > 1:  # a resumed run: count from where it starts
+            self.bar.n = self.bar.last_print_n = record["step"] - 1
+        if "loss" in record and not record.get("skipped"):
+            self.loss_sum, self.n = self.loss_sum + record["loss"], self.n + 1
+            self.bar.set_postfix_str(f"loss {record['loss']:.4f} avg {self.loss_sum / self.n:.4f} "
+                                     f"lr {record['lr']:.2e}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.redirect.__exit__(None, None, None)
 
 
 def _fmt_time(sec: float) -> str:

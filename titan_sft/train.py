@@ -210,24 +210,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         flops = self.flops.step_flops(n_tokens, head_positions, pairs)
-        loss, n_tokens, flops = self._agree(loss_sum, n_tokens, flops)
+        loss, n_tokens, flops, sums = self._agree(loss_sum, n_tokens, flops, self.objective.step_sums())
         dt = time.perf_counter() - t0
         return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                **self.objective.step_metrics(), "n_tokens": n_tokens, "step_time_s": dt,
+                **self.objective.step_metrics(sums), "n_tokens": n_tokens, "step_time_s": dt,
                 **self.metrics.throughput(n_tokens, flops, dt, self.dist.world)}
 
-    def _agree(self, loss_sum: torch.Tensor, n_tokens: int, flops: float) -> tuple[float, int, float]:
-        """The step's one all-reduce over all ranks, on the compute device: the loss, token and FLOP sums (the tp
-        ranks of a data-parallel rank computed the same loss on the same tokens, so only the first of them adds
-        its own), whether any rank was signalled, and the checkpointer's votes. Returns the step's loss, tokens and
-        FLOPs; keeps the rest for the loop."""
+    def _agree(self, loss_sum: torch.Tensor, n_tokens: int, flops: float,
+               extra: list[torch.Tensor] = ()) -> tuple[float, int, float, list[float]]:
+        """The step's one all-reduce over all ranks, on the compute device: the loss, token and FLOP sums and the
+        objective's ``extra`` sums (the tp ranks of a data-parallel rank computed the same loss on the same tokens,
+        so only the first of them adds its own), whether any rank was signalled, and the checkpointer's votes.
+        Returns the step's loss, tokens, FLOPs and extra sums; keeps the rest for the loop."""
         lead = self.dist.mesh["tp"].get_local_rank() == 0
-        local = torch.cat([(loss_sum.double() if lead else torch.zeros_like(loss_sum, dtype=torch.float64)).view(1),
-                           comm.tensor([n_tokens if lead else 0, flops if lead else 0.0,
-                                        float(self.stop_signal is not None), *self.checkpointer.votes()])])
+        sums = [x.double().view(1) if lead else torch.zeros(1, dtype=torch.float64, device=x.device)
+                for x in (loss_sum, *extra)]
+        local = torch.cat([*sums, comm.tensor([n_tokens if lead else 0, flops if lead else 0.0,
+                                               float(self.stop_signal is not None), *self.checkpointer.votes()])])
         agreed = comm.all_reduce(local, what="step statistics").tolist()  # .tolist() waits for the step
-        self.signalled, self.checkpoint_votes = agreed[3] > 0, agreed[4:]
-        return agreed[0], int(agreed[1]), agreed[2]
+        k = len(extra)
+        self.signalled, self.checkpoint_votes = agreed[k + 3] > 0, agreed[k + 4:]
+        return agreed[0], int(agreed[k + 1]), agreed[k + 2], agreed[1 : k + 1]
 
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> None:

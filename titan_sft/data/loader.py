@@ -104,5 +104,6 @@ def build_loader(cfg: JobConfig, dp_rank: int, dp_world: int, collate_fn: Callab
     t, v = cfg.training, cfg.validation
     trained, _ = holdout_split(len(dataset), v.holdout_fraction, v.holdout_seed)
     sampler = RecipeSampler(len(dataset), t.global_batch_size, dp_rank, dp_world, cfg.data.shuffle, cfg.data.shuffle_seed,
-                            subset=trained if v.holdout_fraction else None, offset=cfg.data.skip_examples)
+                            subset=trained if v.holdout_fraction else None, offset=cfg.data.skip_examples,
+                            reshuffle=cfg.data.reshuffle_each_epoch)
     return BatchLoader(dataset, sampler, t.per_device_batch, t.loss_groups, collate_fn, pin_memory)

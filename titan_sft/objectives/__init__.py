@@ -10,7 +10,9 @@ An objective owns everything between the data and the gradient that differs from
   over the data-parallel ranks, ``self.dp_group``, so that the step loss is the same for any layout);
 * ``loss(model, microbatch)``: runs the model to hidden states and applies the output head itself (chunked, or
   only where loss is carried); the returned scalars, summed over microbatches and ranks, are the step loss;
-* ``step_metrics()``: extra fields of the step's train record;
+* ``step_sums()``: this rank's per-step sums (device scalars, e.g. component losses) that the trainer adds to the
+  step's one all-reduce; the agreed values come back through ``step_metrics(sums)``;
+* ``step_metrics(sums)``: extra fields of the step's train record;
 * ``build_validator(model)``: what runs every so often and at the end (or None).
 
 Register one with ``titan_sft.registry.register_objective(name, build)`` where ``build(cfg)`` returns an
@@ -85,7 +87,12 @@ class Objective:
     def loss(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def step_metrics(self) -> dict[str, Any]:
+    def step_sums(self) -> list[torch.Tensor]:
+        """This rank's sums for the step's all-reduce (the same number on every rank and step); reset each step."""
+        return []
+
+    def step_metrics(self, sums: list[float] = ()) -> dict[str, Any]:
+        """Extra fields of the step's train record; ``sums`` are :meth:`step_sums` summed over all ranks."""
         return {}
 
     def head_positions(self, mb: Any) -> int:

@@ -87,7 +87,7 @@ class CausalLM(Objective):
         return chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights,
                                          compiled=self.compile_loss)
 
-    def step_metrics(self) -> dict:
+    def step_metrics(self, sums=()) -> dict:
         return {"n_loss_tokens": int(self.counts.sum().item())}
 
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
@@ -123,7 +123,9 @@ class HeldOutLoss(Validator):
             self.ids = holdout_split(len(self.dataset), v.holdout_fraction, v.holdout_seed)[1]
         self.collate, self.dp_group = collate_fn, dp_group
         self.interval, self.keep_best = v.interval, v.keep_best
-        self.per_device, self.chunk = cfg.training.per_device_batch, cfg.training.loss_chunk_size
+        if v.max_packs:
+            self.ids = self.ids[: v.max_packs]
+        self.per_device, self.chunk = v.batch_size or cfg.training.per_device_batch, cfg.training.loss_chunk_size
         self.best = float("inf")
 
     def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:

@@ -52,17 +52,19 @@ class DiffusionMicrobatch:
     part: torch.Tensor  # [n] long: 0 answer, 1 EOS padding
     stats: torch.Tensor  # float64 [6]: examples, answer positions, padding positions, masked positions, sum t, 0
     max_seqlen: int = 0
+    n_answer: int = -1  # with split_loss: the first n_answer targets are answer ones, the rest padding; else -1
 
     def to(self, device, non_blocking: bool = False) -> "DiffusionMicrobatch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return DiffusionMicrobatch(move(self.input_ids), move(self.positions), move(self.cu_seqlens), move(self.rows),
                                    move(self.targets), move(self.weights), move(self.part), self.stats,
-                                   self.max_seqlen)
+                                   self.max_seqlen, self.n_answer)
 
     def pin_memory(self) -> "DiffusionMicrobatch":
         pin = lambda t: t.pin_memory()  # noqa: E731
         return DiffusionMicrobatch(pin(self.input_ids), pin(self.positions), pin(self.cu_seqlens), pin(self.rows),
-                                   pin(self.targets), pin(self.weights), pin(self.part), self.stats, self.max_seqlen)
+                                   pin(self.targets), pin(self.weights), pin(self.part), self.stats, self.max_seqlen,
+                                   self.n_answer)
 
     @property
     def n_examples(self) -> int:
@@ -118,16 +120,23 @@ def collate_diffusion(packs: list, keys: list[int], *, mask_id: int, t_min: floa
         seg_lens.extend([int(x) for x in doc_lens] + ([L - used] if used < L else []))
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt)  # noqa: E731
     P = len(packs)
+    sel, tgt, wts, part = cat(sel, np.int64), cat(tgt, np.int64), cat(wts, np.float64), cat(part, np.int64)
+    n_answer = -1
+    if split:  # answer targets first: each part's loss is then a slice, known on the host (no device sync)
+        order = np.argsort(part, kind="stable")
+        sel, tgt, wts, part = sel[order], tgt[order], wts[order], part[order]
+        n_answer = int((part == 0).sum())
     return DiffusionMicrobatch(
         input_ids=torch.from_numpy(np.stack(rows_ids)),
         positions=torch.from_numpy(np.stack(pos).astype(np.int64)),
         cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)),
-        rows=torch.from_numpy(cat(sel, np.int64)),
-        targets=torch.from_numpy(cat(tgt, np.int64)),
-        weights=torch.from_numpy(cat(wts, np.float64)),
-        part=torch.from_numpy(cat(part, np.int64)),
+        rows=torch.from_numpy(sel),
+        targets=torch.from_numpy(tgt),
+        weights=torch.from_numpy(wts),
+        part=torch.from_numpy(part),
         stats=torch.from_numpy(stats),
         max_seqlen=max(seg_lens) if P else 0,
+        n_answer=n_answer,
     )
 
 
@@ -171,6 +180,7 @@ class MaskedDiffusion(Objective):
         self.mask_id = o.mask_token_id  # resolved by setup()
         self.denoms = torch.ones(2, dtype=torch.float64)
         self.step_stats = torch.zeros(6, dtype=torch.float64)
+        self.part_sums: torch.Tensor | None = None  # [answer, padding] loss of the step so far (split_loss)
 
     def setup(self, vocab_size: int, tokenizer) -> dict:
         self.mask_id = resolve_mask_token(self.cfg.objective.mask_token_id, vocab_size, tokenizer)
@@ -207,6 +217,7 @@ class MaskedDiffusion(Objective):
                              f"packs: {dataset.describe_sources([int(i) for i in batch.global_ids])}")
         self.step_stats = stats
         self.denoms = self.denominators(stats).clamp(min=1.0)
+        self.part_sums = None
         return None
 
     def check_dataset(self, dataset) -> None:
@@ -219,18 +230,34 @@ class MaskedDiffusion(Objective):
     def head_positions(self, mb: DiffusionMicrobatch) -> int:
         return len(mb.rows)  # the head runs at the masked positions only
 
-    def masked_ce(self, model, hidden, mb: DiffusionMicrobatch, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over the masked positions of weight x CE; the head runs at those positions only."""
-        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.targets, self.chunk, weights, rows=mb.rows,
-                                         compiled=self.compile_loss)
+    def masked_ce(self, model, hidden, mb: DiffusionMicrobatch, weights: torch.Tensor,
+                  part: slice = slice(None)) -> torch.Tensor:
+        """Sum over the masked positions (``part`` of them) of weight x CE; the head runs at those positions only."""
+        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.targets[part], self.chunk, weights[part],
+                                         rows=mb.rows[part], compiled=self.compile_loss)
 
     def loss(self, model: torch.nn.Module, mb: DiffusionMicrobatch) -> torch.Tensor:
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
-        return self.masked_ce(model, hidden, mb, (mb.weights / self.denoms.to(mb.weights.device)[mb.part]).float())
+        weights = (mb.weights / self.denoms.to(mb.weights.device)[mb.part]).float()
+        if mb.n_answer < 0:
+            return self.masked_ce(model, hidden, mb, weights)
+        # split_loss: the answer and padding parts separately (the same head work), for their curves.
+        parts = [self.masked_ce(model, hidden, mb, weights, p)
+                 for p in (slice(0, mb.n_answer), slice(mb.n_answer, None))]
+        done = torch.stack([x.detach() for x in parts])
+        self.part_sums = done if self.part_sums is None else self.part_sums + done
+        return parts[0] + parts[1]
 
-    def step_metrics(self) -> dict:
+    def step_sums(self) -> list[torch.Tensor]:
+        if not self.cfg.objective.split_loss:
+            return []
+        s = self.part_sums if self.part_sums is not None else torch.zeros(2, device=comm.device())
+        return list(s.double().unbind())
+
+    def step_metrics(self, sums=()) -> dict:
         s = self.step_stats
-        return {"n_loss_tokens": int(s[3]), "n_examples": int(s[0]),
+        parts = {"loss_answer": sums[0], "loss_padding": sums[1]} if len(sums) == 2 else {}
+        return {"n_loss_tokens": int(s[3]), "n_examples": int(s[0]), **parts,
                 "mask_fraction": float(s[3] / max(float(s[1] + s[2]), 1.0)), "mean_t": float(s[4] / max(float(s[0]), 1.0))}
 
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
@@ -269,7 +296,8 @@ class DenoisingValidator(Validator):
             self.validation = None
         self.test = PackedDataset(v.test_path) if v.test_path else None
         self.interval, self.keep_best = v.interval, v.keep_best and self.validation is not None
-        self.per_device = cfg.training.per_device_batch
+        self.per_device = v.batch_size or cfg.training.per_device_batch
+        self.max_packs = v.max_packs
         self.best = None  # best validation loss so far (read back from checkpoints-best on resume)
         self.rounds = 0
 
@@ -313,7 +341,7 @@ class DenoisingValidator(Validator):
         obj = self.objective
         group = obj.dp_group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        n = len(dataset)
+        n = min(len(dataset), self.max_packs) if self.max_packs else len(dataset)
         mine = list(range(rank, n, world))
         per_rank = -(-n // world)
         device = next(model.parameters()).device
