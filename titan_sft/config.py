@@ -77,6 +77,9 @@ class Objective:
                                   "mixed by answer_weight / padding_weight (needs an --eos-pad dataset)")
     answer_weight: float = doc(0.9, "masked_diffusion with split_loss: weight of the answer part")
     padding_weight: float = doc(0.1, "masked_diffusion with split_loss: weight of the padding part")
+    router_aux_loss_coef: float = doc(-1.0, "models with routed experts: weight of transformers' load-balancing "
+                                            "loss added to each forward's loss; -1 takes the model config's "
+                                            "router_aux_loss_coef (Qwen3-MoE: 0.001), 0 disables it")
 
 
 @dataclass

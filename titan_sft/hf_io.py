@@ -23,7 +23,8 @@ import torch
 
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.constants import DTYPES
-from titan_sft.models.hf_adapter import args_from_hf_config, hf_config_from_args, native_to_hf_name
+from titan_sft.models.hf_adapter import (args_from_hf_config, expert_hf_names, expert_slot, hf_config_from_args,
+                                        native_to_hf_name)
 from titan_sft.models.transformer import TransformerArgs
 from titan_sft.registry import TrainSpec, spec_for_hf_model_type
 
@@ -132,18 +133,25 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32, attentio
         for file in hf_safetensors_files(path):
             with safe_open(str(file), framework="pt") as f:
                 for hf_name in f.keys():
+                    slot = expert_slot(hf_name)
                     try:
-                        native = adapter.from_hf({hf_name: None})
+                        native = {slot[0]: None} if slot else adapter.from_hf({hf_name: None})
                     except KeyError:
                         raise ValueError(f"{file}: unexpected tensor '{hf_name}' for a {spec.name} model") from None
                     for name in native:  # empty for a tied checkpoint's spare lm_head.weight
+                        if name not in expected:
+                            raise ValueError(f"{file}: unexpected tensor '{hf_name}' for this {spec.name} model")
                         tensor = f.get_tensor(hf_name)
-                        if tuple(tensor.shape) != tuple(expected[name].shape):
+                        target = expected[name] if slot is None else expected[name][slot[1]]
+                        if tuple(tensor.shape) != tuple(target.shape):
                             raise ValueError(f"{file.name}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
-                                             f"the model expects {tuple(expected[name].shape)}")
-                        expected[name].copy_(tensor)
-                        loaded.add(name)
-    missing = [n for n in expected if n not in loaded and not (n == "output.weight" and args.tie_embeddings)]
+                                             f"the model expects {tuple(target.shape)}")
+                        target.copy_(tensor)
+                        loaded.add(name if slot is None else hf_name)
+    wanted = set(adapter.hf_names())
+    missing = [n for n in expected if n not in loaded and not (n == "output.weight" and args.tie_embeddings)
+               and not expert_hf_names(n, args.n_experts)]
+    missing += [n for n in wanted if expert_slot(n) and n not in loaded]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     return model.to(dtype).eval()
@@ -164,7 +172,10 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
 
     adapter = spec.state_dict_adapter(args)
     # LoRA adapters are not in an HF checkpoint; they start from their own init (titan_sft.lora).
-    hf_state = adapter.to_hf({k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)})
+    state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)}
+    # Stacked experts are read apart: each rank copies the experts of its own shard from the per-expert tensors.
+    experts = {k: state.pop(k) for k in list(state) if expert_hf_names(k, args.n_experts)}
+    hf_state = adapter.to_hf(state)
     shapes = hf_tensor_shapes(path)
     for name, tensor in hf_state.items():
         if name not in shapes:
@@ -178,6 +189,43 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
     # again keeps this correct for wrappers whose state dict holds copies.
     set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
+    if experts:
+        _load_expert_shards(experts, args, path, shapes)
+
+
+def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict) -> None:
+    """Copies each rank's rows of the stacked expert tensors (whole experts, or slices of them, as the layout
+    shards them) from the checkpoint's per-expert tensors; no rank reads experts it does not hold."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    where = {}
+    for file in hf_safetensors_files(resolve_hf_dir(path)):
+        with safe_open(str(file), framework="pt") as f:
+            where.update({k: file for k in f.keys()})
+    with torch.no_grad():
+        for name, param in experts.items():
+            names = expert_hf_names(name, args.n_experts)
+            for hf in names:
+                if hf not in where:
+                    raise ValueError(f"{path}: the checkpoint lacks tensor '{hf}'")
+                if shapes[hf] != tuple(param.shape[1:]):
+                    raise ValueError(f"{path}: tensor '{hf}' has shape {shapes[hf]}, the model expects "
+                                     f"{tuple(param.shape[1:])}")
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                      param.placements)
+            else:
+                local, shape, offset = param, tuple(param.shape), (0,) * param.ndim
+            if local.numel() == 0:
+                continue
+            for e in range(shape[0]):
+                hf = names[offset[0] + e]
+                with safe_open(str(where[hf]), framework="pt") as f:
+                    rows = f.get_slice(hf)[offset[1] : offset[1] + shape[1], offset[2] : offset[2] + shape[2]]
+                local[e].copy_(rows)
 
 
 # ------------------------------------------------------------------------------------------------------------

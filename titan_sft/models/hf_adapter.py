@@ -27,12 +27,17 @@ _LAYER_MAP = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.router.gate.weight": "mlp.gate.weight",  # mixture of experts: the router
 }
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
 _HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
 _NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Mixture of experts: experts stacked natively [E, out, in], one tensor per expert in HF files.
+EXPERT_MAP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # native stacked name -> HF per-expert name
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
+_NATIVE_EXPERT = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w1|w2|w3)$")
 
 
 def native_to_hf_name(name: str) -> str:
@@ -53,8 +58,26 @@ def hf_to_native_name(name: str) -> str:
     raise KeyError(f"unknown HF tensor '{name}'")
 
 
+def expert_slot(hf_name: str) -> tuple[str, int] | None:
+    """(native stacked name, expert index) of an HF per-expert tensor name; None for any other name."""
+    m = _HF_EXPERT.match(hf_name)
+    if not m:
+        return None
+    native = {v: k for k, v in EXPERT_MAP.items()}[m.group(3)]
+    return f"layers.{m.group(1)}.feed_forward.experts.{native}", int(m.group(2))
+
+
+def expert_hf_names(native_name: str, n_experts: int) -> list[str] | None:
+    """The HF per-expert names of a native stacked expert tensor, in expert order; None for any other name."""
+    m = _NATIVE_EXPERT.match(native_name)
+    if not m:
+        return None
+    return [f"model.layers.{m.group(1)}.mlp.experts.{j}.{EXPERT_MAP[m.group(2)]}.weight" for j in range(n_experts)]
+
+
 class StateDictAdapter:
-    """Maps state dicts between the native model and HF checkpoints of one model (its args decide tying)."""
+    """Maps state dicts between the native model and HF checkpoints of one model (its args decide tying). Stacked
+    expert tensors [E, out, in] become one HF tensor per expert (``t[j]``, views) and are stacked back on read."""
 
     def __init__(self, args: TransformerArgs):
         self.args = args
@@ -64,31 +87,54 @@ class StateDictAdapter:
         for name, tensor in state_dict.items():
             if name == "output.weight" and self.args.tie_embeddings:
                 continue  # tied: the embedding is the head, HF writes no lm_head.weight
+            per_expert = expert_hf_names(name, self.args.n_experts)
+            if per_expert is not None:
+                out.update({hf: tensor[j] for j, hf in enumerate(per_expert)})
+                continue
             out[native_to_hf_name(name)] = tensor
         return out
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        out = {}
+        out, experts = {}, {}
         for name, tensor in hf_state_dict.items():
             if name == "lm_head.weight" and self.args.tie_embeddings:
                 continue  # some tied checkpoints still carry a copy; the embedding wins, as in transformers
+            slot = expert_slot(name)
+            if slot is not None:
+                experts.setdefault(slot[0], {})[slot[1]] = tensor
+                continue
             out[hf_to_native_name(name)] = tensor
+        for native, by_index in experts.items():
+            missing = [j for j in range(self.args.n_experts) if j not in by_index]
+            if missing:
+                raise KeyError(f"experts {missing[:5]} of '{native}' are missing")
+            out[native] = torch.stack([by_index[j] for j in range(self.args.n_experts)])
         return out
 
     def hf_names(self) -> list[str]:
         """HF tensor names a checkpoint of this model holds."""
-        names = [native_to_hf_name(n) for n in expected_native_names(self.args)]
+        names = []
+        for n in expected_native_names(self.args):
+            names.extend(expert_hf_names(n, self.args.n_experts) or [native_to_hf_name(n)])
         return [n for n in names if not (n == "lm_head.weight" and self.args.tie_embeddings)]
+
+
+_DENSE_MLP = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
 
 def expected_native_names(args: TransformerArgs) -> list[str]:
     names = ["tok_embeddings.weight"]
+    moe = set(args.moe_layers())
     for i in range(args.n_layers):
         for key in _LAYER_MAP:
             if "q_norm" in key or "k_norm" in key:
                 if not args.qk_norm:
                     continue
+            if (key in _DENSE_MLP and i in moe) or (key.startswith("feed_forward.router") and i not in moe):
+                continue
             names.append(f"layers.{i}.{key}")
+        if i in moe:
+            names.extend(f"layers.{i}.feed_forward.experts.{w}" for w in EXPERT_MAP)
     names.append("norm.weight")
     if not args.tie_embeddings:
         names.append("output.weight")
@@ -123,7 +169,7 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 # What the native decoder needs to know of the HF architectures it can represent: Qwen3 normalises q and k per
 # head, Llama does not. (Which family a model_type belongs to is the registry's business, not this table's.)
-HF_QK_NORM = {"qwen3": True, "llama": False}
+HF_QK_NORM = {"qwen3": True, "qwen3_moe": True, "llama": False}
 
 
 def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> TransformerArgs:
@@ -144,6 +190,14 @@ def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> Tra
         raise ValueError("config.json: attention_bias/mlp_bias models are not supported")
     theta, scaling = _rope_from_hf(cfg)
     heads = cfg["num_attention_heads"]
+    moe = {}
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # the hub's name / transformers 5's
+    if n_experts:
+        moe = dict(n_experts=n_experts, n_experts_per_tok=cfg["num_experts_per_tok"],
+                   moe_ffn_dim=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                   decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+                   mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+                   router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)))
     return TransformerArgs(
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
@@ -159,6 +213,7 @@ def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> Tra
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_seq_len=cfg.get("max_position_embeddings", 40960),
         extra={k: v for k, v in cfg.items() if k in _CARRIED_KEYS},
+        **moe,
     )
 
 
@@ -211,9 +266,14 @@ def hf_config_from_args(args: TransformerArgs, model_type: str, architecture: st
     }
     if args.rope_scaling is not None:
         cfg["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    if model_type == "qwen3":  # Qwen3's config class reads these; Llama's reads mlp_bias
+    if model_type in ("qwen3", "qwen3_moe"):  # Qwen3's config classes read these; Llama's reads mlp_bias
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
     else:
         cfg["mlp_bias"] = False
+    if args.n_experts:
+        cfg.update(num_experts=args.n_experts, num_local_experts=args.n_experts, num_experts_per_tok=args.n_experts_per_tok,
+                   moe_intermediate_size=args.moe_ffn_dim, norm_topk_prob=args.norm_topk_prob,
+                   decoder_sparse_step=args.decoder_sparse_step, mlp_only_layers=list(args.mlp_only_layers),
+                   router_aux_loss_coef=args.router_aux_loss_coef, output_router_logits=False)
     cfg.update(args.extra)
     return cfg

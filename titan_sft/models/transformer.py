@@ -3,7 +3,9 @@
 The two families differ only in numbers and two switches: Qwen3 normalises queries and keys per head
 (``qk_norm``) before RoPE; Llama 3.1 scales RoPE frequencies (``rope_scaling``). Everything else (pre-norm
 blocks, GQA attention, SwiGLU MLP, no biases, RMSNorm computed in fp32) is the same, so one file serves both and
-reads in one pass. Parameter names follow torchtitan; ``hf_adapter`` maps them to HF names.
+reads in one pass. With ``n_experts > 0`` (Qwen3-MoE) the MLP of the layers ``moe_layer_ids`` picks is a routed
+mixture of experts (``models.moe``); such a block returns its router statistics beside the hidden states, and
+the model keeps the forward's in ``router_stats`` for the objective's load-balancing loss. Parameter names follow torchtitan; ``hf_adapter`` maps them to HF names.
 
 Build on the meta device, then ``to_empty`` and :meth:`Transformer.init_weights` (or load weights), so large
 flavors never materialise whole on one host.
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_sft.models.attention import AttentionBackend, AttentionMask
+from titan_sft.models.moe import MoE, RouterStats, moe_layer_ids
 
 
 @dataclass
@@ -47,19 +50,33 @@ class TransformerArgs:
     qk_norm: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 40960
+    # Mixture of experts (Qwen3-MoE); n_experts = 0 is a dense model.
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # top k
+    moe_ffn_dim: int = 0  # each expert's hidden size (HF moe_intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum 1
+    decoder_sparse_step: int = 1  # every n-th layer has experts
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP of ffn_dim
+    router_aux_loss_coef: float = 0.0  # the HF config's load-balancing coefficient (the objective applies it)
     # Runtime choices, not architecture: set from [model] config.
     attention: str = "sdpa"
     causal: bool = True
+    moe_impl: str = "auto"  # experts as one grouped GEMM ("grouped"), a loop ("loop"), or grouped where it runs
     extra: dict = field(default_factory=dict)  # HF config fields we carry through export untouched
 
-    def num_params(self) -> int:
-        """Parameter count, counting a tied embedding once."""
+    def moe_layers(self) -> list[int]:
+        return moe_layer_ids(self.n_layers, self.n_experts, self.decoder_sparse_step, self.mlp_only_layers)
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count, counting a tied embedding once; ``active``: only the k experts a token uses."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + 2 * self.dim
+        n_moe = len(self.moe_layers())
+        experts = self.n_experts_per_tok if active else self.n_experts
+        moe = self.dim * self.n_experts + 3 * self.dim * self.moe_ffn_dim * experts
+        mlp = (self.n_layers - n_moe) * 3 * self.dim * self.ffn_dim + n_moe * moe
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+        return (self.vocab_size * self.dim + self.n_layers * (attn + 2 * self.dim) + mlp + self.dim + head)
 
 
 def rope_inv_freq(args: TransformerArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -157,19 +174,29 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = SelfAttention(args, backend)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.moe = layer_id in args.moe_layers()
+        self.feed_forward = (MoE(args.dim, args.moe_ffn_dim, args.n_experts, args.n_experts_per_tok,
+                                 args.norm_topk_prob, args.moe_impl) if self.moe else FeedForward(args.dim, args.ffn_dim))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: AttentionMask) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new hidden states; an MoE block also returns its router's selections and probability sums."""
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        if self.moe:
+            out, counts, prob_sum = self.feed_forward(self.ffn_norm(h))
+            return h + out, counts, prob_sum
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float) -> None:
         # Output projections get a depth-scaled std so the residual stream does not grow with depth.
         out_std = std / math.sqrt(2 * (self.layer_id + 1))
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
+        ff = self.feed_forward
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv) + (() if self.moe else (ff.w1,)):
             nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
-        for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
+        for lin in (self.attention.wo,) + (() if self.moe else (ff.w2, ff.w3)):
             nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        if self.moe:
+            ff.init_weights(std, out_std)
         for norm in (self.attention_norm, self.ffn_norm, self.attention.q_norm, self.attention.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -203,6 +230,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.router_stats: list[RouterStats] = []  # the last forward's, one per MoE layer
 
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         super().to_empty(device=device, recurse=recurse)
@@ -244,7 +272,12 @@ class Transformer(nn.Module):
             positions = torch.arange(t, device=input_ids.device).unsqueeze(0)  # broadcast over rows
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype)
         mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens)
+        stats = []
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
+            if isinstance(h, tuple):  # an MoE block: (hidden, router statistics)
+                h, counts, prob_sum = h
+                stats.append(RouterStats(counts, prob_sum, b * t))
+        self.router_stats = stats
         h = self.norm(h)
         return h if hidden_only else self.output(h)

@@ -10,6 +10,8 @@ An objective owns everything between the data and the gradient that differs from
   over the data-parallel ranks, ``self.dp_group``, so that the step loss is the same for any layout);
 * ``loss(model, microbatch)``: runs the model to hidden states and applies the output head itself (chunked, or
   only where loss is carried); the returned scalars, summed over microbatches and ranks, are the step loss;
+* ``router_loss(model, loss)``: with routed experts, adds the load-balancing loss of the forward just run (the
+  built-in objectives call it; see :meth:`Objective.router_loss`);
 * ``step_sums()``: this rank's per-step sums (device scalars, e.g. component losses) that the trainer adds to the
   step's one all-reduce; the agreed values come back through ``step_metrics(sums)``;
 * ``step_metrics(sums)``: extra fields of the step's train record;
@@ -87,13 +89,42 @@ class Objective:
     def loss(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
         raise NotImplementedError
 
+    def router_loss(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus, for a model with routed experts, ``coef`` x transformers' load-balancing loss of the
+        forward just run (``models.moe.load_balancing_loss`` over all MoE layers) divided by the number of
+        forwards of the global step: the step adds the mean over its forwards, as HF adds it per forward. The
+        coefficient is ``objective.router_aux_loss_coef``, -1 taking the model config's."""
+        stats = getattr(model, "router_stats", None)
+        if not stats:
+            return loss
+        from titan_sft.models.moe import load_balancing_loss
+
+        args = model.args
+        coef = self.cfg.objective.router_aux_loss_coef
+        coef = args.router_aux_loss_coef if coef < 0 else coef
+        aux = load_balancing_loss(stats, args.n_experts)
+        self._n_experts = args.n_experts
+        counts = torch.stack([s.counts for s in stats])
+        done = torch.cat([aux.detach().double().view(1), counts.double().flatten()])
+        self._router_sums = done if getattr(self, "_router_sums", None) is None else self._router_sums + done
+        forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
+        return loss + (coef / forwards) * aux if coef else loss
+
     def step_sums(self) -> list[torch.Tensor]:
-        """This rank's sums for the step's all-reduce (the same number on every rank and step); reset each step."""
-        return []
+        """This rank's sums for the step's all-reduce (the same number on every rank and step); reset each step.
+        Here: the router's (load-balancing loss and expert selections per MoE layer) when the model has experts."""
+        sums, self._router_sums = getattr(self, "_router_sums", None), None
+        return [] if sums is None else list(sums.unbind())
 
     def step_metrics(self, sums: list[float] = ()) -> dict[str, Any]:
-        """Extra fields of the step's train record; ``sums`` are :meth:`step_sums` summed over all ranks."""
-        return {}
+        """Extra fields of the step's train record; ``sums`` are :meth:`step_sums` summed over all ranks: the
+        mean load-balancing loss of the step's forwards and, over the MoE layers, the highest and lowest expert
+        load relative to the mean (1.0 is perfect balance)."""
+        if not sums:
+            return {}
+        forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
+        counts = torch.tensor(sums[1:], dtype=torch.float64).view(-1, self._n_experts)
+        return {"aux_loss": sums[0] / forwards, **expert_load(counts)}
 
     def head_positions(self, mb: Any) -> int:
         """How many positions of ``mb`` the output head is applied to (for the FLOP count): all of them, unless
@@ -104,6 +135,13 @@ class Objective:
         """Called once the model holds its starting weights (before any resume), so a validator may keep what it
         needs of them."""
         return None
+
+
+def expert_load(counts: torch.Tensor) -> dict[str, float]:
+    """Max and min over MoE layers and experts of an expert's selections ([layers, E]) relative to its layer's
+    mean (1.0 everywhere is perfect balance)."""
+    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
+    return {"expert_load_max": float(load.max()), "expert_load_min": float(load.min())}
 
 
 def build_objective(cfg: JobConfig) -> Objective:

@@ -84,11 +84,12 @@ class CausalLM(Objective):
         weights = group_weights(mb.labels, mb.groups, self.counts, self.n_groups)
         # model.output.weight is the unsharded head here (FSDP does not reshard the root after forward); under
         # tensor parallel it is vocab-sharded and the loss runs on vocab slices (loss parallel).
-        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights,
+        loss = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights,
                                          compiled=self.compile_loss)
+        return self.router_loss(model, loss)
 
     def step_metrics(self, sums=()) -> dict:
-        return {"n_loss_tokens": int(self.counts.sum().item())}
+        return {"n_loss_tokens": int(self.counts.sum().item()), **super().step_metrics(sums)}
 
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
         v = self.cfg.validation

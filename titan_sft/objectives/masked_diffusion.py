@@ -240,23 +240,26 @@ class MaskedDiffusion(Objective):
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
         weights = (mb.weights / self.denoms.to(mb.weights.device)[mb.part]).float()
         if mb.n_answer < 0:
-            return self.masked_ce(model, hidden, mb, weights)
+            return self.router_loss(model, self.masked_ce(model, hidden, mb, weights))
         # split_loss: the answer and padding parts separately (the same head work), for their curves.
         parts = [self.masked_ce(model, hidden, mb, weights, p)
                  for p in (slice(0, mb.n_answer), slice(mb.n_answer, None))]
         done = torch.stack([x.detach() for x in parts])
         self.part_sums = done if self.part_sums is None else self.part_sums + done
-        return parts[0] + parts[1]
+        return self.router_loss(model, parts[0] + parts[1])
 
     def step_sums(self) -> list[torch.Tensor]:
+        router = super().step_sums()
         if not self.cfg.objective.split_loss:
-            return []
+            return router
         s = self.part_sums if self.part_sums is not None else torch.zeros(2, device=comm.device())
-        return list(s.double().unbind())
+        return list(s.double().unbind()) + router
 
     def step_metrics(self, sums=()) -> dict:
         s = self.step_stats
-        parts = {"loss_answer": sums[0], "loss_padding": sums[1]} if len(sums) == 2 else {}
+        split = self.cfg.objective.split_loss
+        parts = {"loss_answer": sums[0], "loss_padding": sums[1]} if split and len(sums) >= 2 else {}
+        parts.update(super().step_metrics(list(sums[2:] if split else sums)))
         return {"n_loss_tokens": int(s[3]), "n_examples": int(s[0]), **parts,
                 "mask_fraction": float(s[3] / max(float(s[1] + s[2]), 1.0)), "mean_t": float(s[4] / max(float(s[0]), 1.0))}
 

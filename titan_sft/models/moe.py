@@ -1,0 +1,138 @@
+"""Mixture-of-experts feed-forward: a softmax top-k router over SwiGLU experts stored stacked.
+
+Shared by every family with routed experts (Qwen3-MoE first). The semantics are transformers'
+``Qwen3MoeSparseMoeBlock``: router logits ``x @ gate.T``, probabilities softmax(logits) in fp32, the top k of them
+(renormalised to sum 1 with ``norm_topk_prob``) cast back to the compute dtype weight each chosen expert's
+output. Dropless: every token reaches its k experts, there is no capacity factor.
+
+Tokens are permuted, not dispatched through a dense [tokens, n_experts] tensor: the (token, slot) pairs are
+sorted by expert, each expert's rows are contiguous, and the outputs are scattered back with ``index_add_``.
+The experts run as one grouped GEMM (``torch._grouped_mm``, CUDA bf16 and, in torch >= 2.9, CPU bf16/fp32)
+or as a loop over experts (the reference implementation, and the fallback where grouped GEMM is unavailable).
+
+Each forward returns its router statistics (:class:`RouterStats`) beside its output, so a training objective can add the load-balancing
+loss (:func:`load_balancing_loss`, HF's ``load_balancing_loss_func``) without the model knowing of losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RouterStats:
+    """What one MoE layer's router did in a forward: top-k selections per expert (float [E], no grad), the sum of
+    the router probabilities per expert over the tokens (fp32 [E], differentiable) and the token count."""
+
+    counts: torch.Tensor
+    prob_sum: torch.Tensor
+    n_tokens: int
+
+
+def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss as transformers computes it over all MoE layers of a forward:
+    ``n_experts * sum_e (selections_e / rows) * (prob_sum_e / rows)``, with selections, probabilities and rows
+    summed over the layers (HF concatenates the layers' router logits)."""
+    counts = torch.stack([s.counts for s in stats]).sum(0)
+    probs = torch.stack([s.prob_sum for s in stats]).sum(0)
+    rows = sum(s.n_tokens for s in stats)
+    return n_experts * torch.sum(counts / rows * (probs / rows))
+
+
+def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs for these operands (CPU: bf16/fp32; CUDA: bf16 on SM >= 9.0)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (probabilities fp32 [N, E], top-k weights [N, k] in x's dtype, top-k experts [N, k])."""
+        logits = self.gate(x)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top_p, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        return probs, top_p.to(logits.dtype), top_i
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU experts, weights stacked [E, out, in] as nn.Linear stores each (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
+        """x [M, dim] with each expert's rows contiguous, in expert order; counts long [E] (rows per expert)."""
+        if impl == "grouped":
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
+            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+        out, start = [], 0
+        for e, n in enumerate(counts.tolist()):  # the reference: one expert at a time (a host sync)
+            xe = x[start : start + n]
+            out.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
+            start += n
+        return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, std=std, a=-3 * std, b=3 * std)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+class MoE(nn.Module):
+    """Router + experts; ``forward(x [B, T, dim]) -> (out [B, T, dim], selections per expert [E], router
+    probability sums [E])``: plain tensors, so a compiled block returns them (:class:`RouterStats` is built by the
+    caller)."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool,
+                 impl: str = "auto"):
+        super().__init__()
+        self.router = Router(dim, n_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(dim, ffn_dim, n_experts)
+        self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, top_p, top_i = self.router(flat)
+        expert_of = top_i.reshape(-1)  # [N * k]: the expert of each (token, slot) pair
+        order = torch.argsort(expert_of, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(expert_of, minlength=self.n_experts)
+        impl = self.impl
+        if impl == "auto":
+            impl = "grouped" if grouped_mm_available(x.dtype, x.device) else "loop"
+        y = self.experts(flat[token_of], counts, impl) * top_p.reshape(-1)[order, None]
+        out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))
+        return out.reshape(shape), counts.detach().float(), probs.sum(0)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.gate.weight, std=std, a=-3 * std, b=3 * std)
+        self.experts.init_weights(std, out_std)
+
+
+def moe_layer_ids(n_layers: int, n_experts: int, decoder_sparse_step: int, mlp_only_layers) -> list[int]:
+    """The layers with experts, by transformers' rule: every ``decoder_sparse_step``-th layer, except those in
+    ``mlp_only_layers`` (which keep a dense SwiGLU MLP)."""
+    if n_experts <= 0:
+        return []
+    return [i for i in range(n_layers) if i not in set(mlp_only_layers) and (i + 1) % decoder_sparse_step == 0]
+
