@@ -147,7 +147,7 @@ def dry_run(cfg: JobConfig) -> str:
         cadence = f"checkpoints every {c.interval}; HF export every {c.hf_export_interval}, dtype {c.hf_export_dtype}"
     world = planned_world_size(cfg)
     dp_rep, dp_shard, tp = check_layout(cfg, world)
-    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
+    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp, args.n_experts)
     plan = spec.tp_plan_fn()
     mem = memory_per_rank(model, plan, dp_shard, tp, 2 if cfg.training.param_dtype == "bfloat16" else 4)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
@@ -167,6 +167,9 @@ def dry_run(cfg: JobConfig) -> str:
     lines = [
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {shown}",
+        *([f"experts: {args.n_experts} per MoE layer ({len(args.moe_layers())} of {args.n_layers} layers), "
+           f"{args.n_experts_per_tok} per token: {args.num_params(active=True) / 1e6:,.1f}M active parameters "
+           "(MFU counts these)"] if args.n_experts else []),
         f"objective: {cfg.objective.name}",
         *lora_line,
         *data_lines,

@@ -42,8 +42,8 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def torchtitan_flops_per_token(args, seq_len: int) -> float:
-    """torchtitan's count: 6 * (parameters less the embedding) + 12 * L * H * D * S (full attention)."""
-    n = args.num_params() - args.vocab_size * args.dim
+    """torchtitan's count: 6 * (active parameters less the embedding) + 12 * L * H * D * S (full attention)."""
+    n = args.num_params(active=True) - args.vocab_size * args.dim
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
@@ -62,10 +62,13 @@ class FlopCounter:
         """Counts the matmul weights of the (parallelized) model: DTensor shards count with their global size.
         Parameters of fewer than 2 dimensions (norms) are not matmuls; the embedding is a lookup."""
         embedding, head = model.tok_embeddings.weight, model.output.weight
+        # Routed experts: a token passes through k of the E experts, so only k / E of their weights count.
+        expert_share = {id(p): args.n_experts_per_tok / args.n_experts for name, p in model.named_parameters()
+                        if ".experts." in name}
         body = 0
         for name, p in model.named_parameters():
             if p.ndim >= 2 and p is not embedding and p is not head:
-                body += (6 if p.requires_grad else 4) * p.numel()
+                body += (6 if p.requires_grad else 4) * p.numel() * expert_share.get(id(p), 1.0)
         head_flops = (6 if head.requires_grad else 4) * head.numel()
         return cls(float(body), float(head_flops), 12.0 * args.n_layers * args.n_heads * args.head_dim, causal,
                    torchtitan_flops_per_token(args, seq_len))

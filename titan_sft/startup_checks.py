@@ -18,6 +18,11 @@ def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch
     must not move. With bidirectional attention the second document is changed too and the first compared,
     since there leaks could run either way. (Changing only the later document proves nothing under causal
     attention: it is shielded from the earlier one anyway.)
+
+    With routed experts the comparison has a tolerance: the expert GEMMs group each expert's rows, so changing
+    one document changes which rows share a matmul with the other's tokens and, in the last bits, their rounding.
+    A leak moves hidden states by about their own size; the tolerance (mean |change| at most 1e-4 of the mean
+    |hidden|, 2e-2 in 16-bit dtypes) is far below that.
     """
     was_training = model.training
     model.eval()  # dropout (LoRA's) would change the hidden states between the two forwards by itself
@@ -35,6 +40,7 @@ def _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint) 
     row = torch.randint(0, vocab_size, (1, n), generator=g)
     cu = torch.tensor([0, split, n], dtype=torch.int32, device=device)
     base = _full(model(row.to(device), cu_seqlens=cu, hidden_only=True))
+    routed = bool(getattr(model, "router_stats", None))
     cases = [(slice(0, split), slice(split, n), "document 2", "document 1")]
     if not causal:
         cases.append((slice(split, n), slice(0, split), "document 1", "document 2"))
@@ -42,11 +48,18 @@ def _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint) 
         other = row.clone()
         other[0, changed] = torch.randint(0, vocab_size, (changed.stop - changed.start,), generator=g)
         out = _full(model(other.to(device), cu_seqlens=cu, hidden_only=True))
-        if not torch.equal(base[:, kept], out[:, kept]):
+        if not _same(base[:, kept], out[:, kept], routed):
             raise StartupCheckError(
                 f"document isolation check failed for attention backend '{backend}': {kept_name}'s hidden states "
                 f"changed when {changed_name} changed{hint} (use --training.skip_startup_checks true to bypass)"
             )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, routed: bool) -> bool:
+    if not routed:
+        return torch.equal(a, b)
+    tol = 1e-4 if a.dtype == torch.float32 else 2e-2
+    return bool((a.float() - b.float()).abs().mean() <= tol * a.float().abs().mean())
 
 
 def _full(hidden: torch.Tensor) -> torch.Tensor:
