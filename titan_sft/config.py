@@ -248,6 +248,9 @@ class Parallelism:
     dp_replicate: int = doc(1, "data-parallel replicas (HSDP across groups of ranks)")
     dp_shard: int = doc(-1, "FSDP shards per replica; -1 = the rest of the ranks")
     tp: int = doc(1, "tensor-parallel degree (with sequence parallel and a vocab-parallel loss)")
+    ep: int = doc(1, "expert-parallel degree (models with routed experts): each expert lives on one of ep "
+                     "data-parallel ranks within dp_shard, tokens reach it by all-to-all; FSDP shards the experts "
+                     "over the other dp_shard / ep ranks")
     grad_reduce: Literal["per_microbatch", "last_microbatch"] = doc(
         "per_microbatch", "reduce-scatter gradients after every microbatch (sharded memory) or only after the "
                           "last (one collective, but unsharded fp32 gradients in between)")
@@ -556,6 +559,9 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             f"does not multiply to the world size {world_size}"
         )
     dp = p.dp_replicate * shard
+    if p.ep < 1 or shard % p.ep:
+        raise ConfigError(f"config key 'parallelism.ep': {p.ep} must be a positive divisor of the FSDP shards "
+                          f"per replica (dp_shard = {shard}): expert-parallel ranks are data-parallel ranks")
     if t.global_batch_size % dp:
         raise ConfigError(f"config key 'training.global_batch_size': {t.global_batch_size} must be divisible by the "
                           f"data-parallel ranks ({dp})")
@@ -564,7 +570,17 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             f"config key 'training.per_device_batch': {t.per_device_batch} must divide the per-rank "
             f"batch global_batch_size / ranks = {t.global_batch_size // dp}"
         )
-    return p.dp_replicate, shard, p.tp
+    return p.dp_replicate, shard, p.tp, p.ep
+
+
+def check_expert_parallel(ep: int, n_experts: int) -> None:
+    """Expert parallel places n_experts / ep whole experts on each expert-parallel rank."""
+    if ep == 1:
+        return
+    if not n_experts:
+        raise ConfigError(f"config key 'parallelism.ep': {ep}, but the model has no routed experts (ep must be 1)")
+    if n_experts % ep:
+        raise ConfigError(f"config key 'parallelism.ep': {ep} must divide the model's {n_experts} experts")
 
 
 def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int, n_experts: int = 0) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titan_sft.checkpoint import hook_fires, label
-from titan_sft.config import JobConfig, check_layout, check_tensor_parallel, require_data_path
+from titan_sft.config import JobConfig, check_expert_parallel, check_layout, check_tensor_parallel, require_data_path
 from titan_sft.hf_io import model_args
 from titan_sft.models.attention import resolve_backend
 from titan_sft.lr_schedule import Schedule, total_steps
@@ -146,13 +146,15 @@ def dry_run(cfg: JobConfig) -> str:
     else:
         cadence = f"checkpoints every {c.interval}; HF export every {c.hf_export_interval}, dtype {c.hf_export_dtype}"
     world = planned_world_size(cfg)
-    dp_rep, dp_shard, tp = check_layout(cfg, world)
+    dp_rep, dp_shard, tp, ep = check_layout(cfg, world)
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp, args.n_experts)
+    check_expert_parallel(ep, args.n_experts)
     plan = spec.tp_plan_fn()
     mem = memory_per_rank(model, plan, dp_shard, tp, 2 if cfg.training.param_dtype == "bfloat16" else 4)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
     layout = [
         f"mesh: dp_replicate {dp_rep} x dp_shard {dp_shard} x tp {tp} = {world} ranks"
+        f"{f', expert parallel {ep} (experts sharded over {dp_rep * dp_shard // ep} ranks each)' if ep > 1 else ''}"
         f"{' (WORLD_SIZE)' if 'WORLD_SIZE' in os.environ else ''}; each rank takes "
         f"{B // (dp_rep * dp_shard)} packed examples per step in microbatches of {cfg.training.per_device_batch}",
         *(["tensor-parallel plan (sequence parallel between blocks, loss parallel on the vocab-split head):",

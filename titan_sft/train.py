@@ -22,7 +22,8 @@ import torch
 
 from titan_sft.atomic import atomic_write_text
 from titan_sft.checkpoint import run_folder
-from titan_sft.config import ConfigError, JobConfig, check_tensor_parallel, check_vocab, config_help, load_config
+from titan_sft.config import (ConfigError, JobConfig, check_expert_parallel, check_tensor_parallel, check_vocab,
+                              config_help, load_config)
 from titan_sft.converters import high_precision_matmuls
 from titan_sft.data.dataset import check_tokenizer
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
@@ -71,6 +72,7 @@ class Trainer:
         check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
         self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len, self.args.n_experts)
+        check_expert_parallel(d.dims.ep, self.args.n_experts)
         with torch.device("meta"):
             model = spec.model_cls(self.args)
         spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())

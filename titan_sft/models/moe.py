@@ -79,15 +79,19 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
-        """x [M, dim] with each expert's rows contiguous, in expert order; counts long [E] (rows per expert)."""
+        """x [M, dim] with each expert's rows contiguous, in expert order; counts long [E_here] (rows per expert).
+
+        Under expert parallel the weights are sharded by expert (DTensors): this rank computes with its own
+        ``E / ep`` experts, and ``counts`` are theirs."""
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         if impl == "grouped":
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
-            return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+            return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
         out, start = [], 0
         for e, n in enumerate(counts.tolist()):  # the reference: one expert at a time (a host sync)
             xe = x[start : start + n]
-            out.append(F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e]))
+            out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += n
         return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
 
@@ -108,6 +112,9 @@ class MoE(nn.Module):
         self.router = Router(dim, n_experts, top_k, norm_topk_prob)
         self.experts = GroupedExperts(dim, ffn_dim, n_experts)
         self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
+        # Expert parallel replaces this (parallel.expert_parallel): (experts, rows sorted by expert, rows per
+        # expert [E], impl) -> expert outputs in the same order, computed wherever the experts live.
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -120,7 +127,8 @@ class MoE(nn.Module):
         impl = self.impl
         if impl == "auto":
             impl = "grouped" if grouped_mm_available(x.dtype, x.device) else "loop"
-        y = self.experts(flat[token_of], counts, impl) * top_p.reshape(-1)[order, None]
+        run = self.dispatch or (lambda experts, rows, n, how: experts(rows, n, how))
+        y = run(self.experts, flat[token_of], counts, impl) * top_p.reshape(-1)[order, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))
         return out.reshape(shape), counts.detach().float(), probs.sum(0)
 

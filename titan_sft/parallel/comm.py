@@ -77,6 +77,24 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None, what: str = "broadcast"
     return t
 
 
+def all_to_all_counts(counts: torch.Tensor, group, what: str = "expert-parallel counts") -> torch.Tensor:
+    """Equal chunks of ``counts`` exchanged across ``group`` (chunk p goes to rank p); no gradient."""
+    _check(counts, what)
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group,
+                    what: str = "expert-parallel rows") -> torch.Tensor:
+    """Rows of ``x`` sent in blocks of ``input_splits`` to the ranks of ``group``, received in blocks of
+    ``output_splits``; differentiable (the gradient takes the way back)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    _check(x, what)
+    return all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
+
+
 class _HostTensorMarker(TorchFunctionMode):
     """Marks tensors a GPU run would hold on the host (see the module docstring)."""
 

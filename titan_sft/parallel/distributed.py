@@ -99,11 +99,19 @@ def clip_grad_norm_(params, max_norm: float) -> float:
     for p in params:
         if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
             p.grad = p.grad.redistribute(placements=p.placements)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    # Gradients on different meshes (expert parallel: the experts' mesh is not the other parameters') cannot share
+    # one foreach norm: one norm per mesh, combined.
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm.item()
 
 

@@ -113,16 +113,24 @@ def store_frozen_params(model: nn.Module, dtype: torch.dtype) -> int:
     return n
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               experts_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output head).
 
     The head stays in the root group. The root is not resharded after forward, so the objective, which applies
     the head to the hidden states after ``model(...)`` returns, and a tied embedding both see one unsharded
-    tensor, and the head's gradient is reduced with the root's at the end of backward.
+    tensor, and the head's gradient is reduced with the root's at the end of backward. Under expert parallel
+    (``experts_mesh``: the ranks holding the same experts) each block's experts form an FSDP group of their own
+    over that mesh; their gradients are summed over it, never across the ep ranks that hold other experts.
     """
+    from titan_sft.models.moe import GroupedExperts
+
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
+        if experts_mesh is not None:
+            for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
+                fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
         # The last block's params are needed first in backward: keep them gathered after forward.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -173,10 +181,15 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         if t.float8 and t.float8_backend == "torchao" and t.float8_recipe == "tensorwise" and device.type == "cuda":
             tp_plan = float8_tp_plan(tp_plan, next(iter(model.layers.values())))
         apply_tp(model, mesh["tp"], tp_plan)
+    if mesh["ep"].size() > 1:
+        from titan_sft.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh["ep"])
     if t.activation_checkpoint != "none":
         dropout = "lora" in cfg.model.converters and cfg.lora.dropout > 0
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
     if t.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh["dp_replicate", "dp_shard"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype])
+    experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["ep"].size() > 1 else None
+    apply_fsdp(model, mesh["dp_replicate", "dp_shard"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
     return model
