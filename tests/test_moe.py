@@ -56,7 +56,7 @@ def test_logits_and_aux_loss_equal_transformers_and_export_round_trips(tmp_path,
 
     from titan_sft.hf_io import export_hf
     from titan_sft.models import load_hf
-    from titan_sft.models.moe import load_balancing_loss
+    from titan_sft.models.moe import load_balancing_loss, router_z_loss
     from titan_sft.registry import get_train_spec
 
     hf = _hf_moe(tmp_path / "hf", **CONFIGS[name])
@@ -71,6 +71,8 @@ def test_logits_and_aux_loss_equal_transformers_and_export_round_trips(tmp_path,
     assert aux.item() == pytest.approx(load_balancing_loss_func(ref.router_logits, cfg.num_experts,
                                                                 cfg.num_experts_per_tok).item(), rel=1e-6)
     assert len(model.router_stats) == len(model.args.moe_layers()) == len(ref.router_logits)
+    z = sum(torch.logsumexp(l.float(), -1).square().mean() for l in ref.router_logits)  # ST-MoE, from HF's logits
+    assert router_z_loss(model.router_stats).item() == pytest.approx(z.item(), rel=1e-6)
 
     export_hf(model, model.args, tmp_path / "out", dtype="float32", spec=get_train_spec("qwen3_moe"),
               generation_config=False)
@@ -96,7 +98,7 @@ def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
         moe.impl = impl
         moe.zero_grad()
         x.grad = None
-        out, counts, prob_sum = moe(x)
+        out, counts, prob_sum, _ = moe(x)
         (out * g).sum().backward()
         results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in moe.parameters()], counts))
     (o1, gx1, gp1, c1), (o2, gx2, gp2, c2) = results
@@ -110,7 +112,7 @@ def test_the_objective_adds_the_aux_loss_per_forward_and_logs_expert_load(tmp_pa
 
     from titan_sft.config import load_config
     from titan_sft.models import build_model
-    from titan_sft.models.moe import load_balancing_loss
+    from titan_sft.models.moe import load_balancing_loss, router_z_loss
     from titan_sft.models.qwen3_moe import QWEN3_MOE_FLAVORS
     from titan_sft.objectives import Objective
 
@@ -134,6 +136,9 @@ def test_the_objective_adds_the_aux_loss_per_forward_and_logs_expert_load(tmp_pa
     cfg0 = load_config(None, ["--objective.router_aux_loss_coef", "0"])
     model(ids, hidden_only=True)
     assert Objective(cfg0).router_loss(model, zero) is zero
+    cfg_z = load_config(None, ["--objective.router_aux_loss_coef", "0", "--objective.router_z_loss_coef", "0.1"])
+    z = router_z_loss(model.router_stats)
+    assert Objective(cfg_z).router_loss(model, zero).item() == pytest.approx(0.1 * z.item() / 8, rel=1e-6)
 
 
 def _train(nproc, dump, *overrides, steps=3):
@@ -211,6 +216,16 @@ def test_training_from_an_hf_moe_directory_matches_one_rank(tmp_path, layout):
     for a, b in zip(two, one):
         _close(a, b)
         assert a["expert_load_max"] == b["expert_load_max"]
+    if layout == "ep2":
+        return
+    # model.freeze_router: the routers leave the run as they came; the experts train.
+    _train(1, tmp_path / "frozen", *start, "--model.freeze_router", "true", "--checkpoint.hf_export_interval", "2",
+           "--checkpoint.hf_export_dtype", "float32")
+    base, after = _safetensors(hf), _safetensors(tmp_path / "frozen" / "hf" / "step-2")
+    routers = [k for k in base if k.endswith("mlp.gate.weight")]
+    assert routers and all(torch.equal(base[k], after[k]) for k in routers)
+    assert not torch.equal(base["model.layers.1.mlp.experts.0.up_proj.weight"],
+                           after["model.layers.1.mlp.experts.0.up_proj.weight"])
 
 
 @pytest.mark.slow

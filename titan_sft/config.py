@@ -53,6 +53,8 @@ class Model:
     hf_assets_path: str = doc("", "HF directory for config, tokenizer and (with init_from_hf) weights")
     init_from_hf: bool = doc(False, "start from the weights and config.json in hf_assets_path")
     tokenizer_path: str = doc("", "tokenizer directory; empty means hf_assets_path (then the dataset's)")
+    freeze_router: bool = doc(False, "models with routed experts: the routers' weights do not train (the base "
+                                     "model's routing is kept)")
     attention: Literal["auto", "sdpa", "flex", "varlen", "flash_varlen"] = doc(
         "sdpa", "attention backend: sdpa (everywhere), flex, varlen (torch's varlen kernels, GPU, bf16), flash_varlen "
                 "(flash-attn, GPU, bf16), auto (GPU: flash_varlen where flash-attn is installed, else varlen; CPU: sdpa)")
@@ -80,6 +82,8 @@ class Objective:
     router_aux_loss_coef: float = doc(-1.0, "models with routed experts: weight of transformers' load-balancing "
                                             "loss added to each forward's loss; -1 takes the model config's "
                                             "router_aux_loss_coef (Qwen3-MoE: 0.001), 0 disables it")
+    router_z_loss_coef: float = doc(0.0, "models with routed experts: weight of the ST-MoE router z-loss (mean "
+                                         "logsumexp(router logits)^2 per MoE layer, summed); 0 disables it")
 
 
 @dataclass
@@ -573,8 +577,13 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
     return p.dp_replicate, shard, p.tp, p.ep
 
 
-def check_expert_parallel(ep: int, n_experts: int) -> None:
-    """Expert parallel places n_experts / ep whole experts on each expert-parallel rank."""
+def check_expert_parallel(ep: int, n_experts: int, compile: bool = False) -> None:
+    """Expert parallel places n_experts / ep whole experts on each expert-parallel rank; the routed experts'
+    data-dependent shapes do not compile yet."""
+    if compile and n_experts:
+        raise ConfigError("config key 'training.compile': true is not supported yet for models with routed experts "
+                          "(the per-expert row counts are data-dependent shapes; torch 2.13's grouped GEMM does not "
+                          "trace them); set it to false")
     if ep == 1:
         return
     if not n_experts:

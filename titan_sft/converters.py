@@ -46,9 +46,10 @@ def _import_torchao_float8():
 
 def float8_module_filter(mod: nn.Module, fqn: str) -> bool:
     """Which linears become float8: those of the transformer blocks whose dims are multiples of 16 (the float8
-    matmul's tile); the output head stays in bf16 (its logits feed the loss directly)."""
-    return (isinstance(mod, nn.Linear) and fqn.startswith("layers.") and mod.in_features % 16 == 0
-            and mod.out_features % 16 == 0)
+    matmul's tile); the output head stays in bf16 (its logits feed the loss directly), and so do MoE routers
+    (a rounding of their logits changes which experts a token reaches)."""
+    return (isinstance(mod, nn.Linear) and fqn.startswith("layers.") and ".router." not in fqn
+            and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
 
 
 def apply_float8(model: nn.Module, recipe: str = "rowwise", emulate: bool = False,
@@ -111,9 +112,9 @@ def apply_te_float8(model: nn.Module, recipe_kwargs: dict) -> list[str]:
         for fqn in BLOCK_LINEARS:
             parent_name, attr = fqn.rsplit(".", 1)
             parent = block.get_submodule(parent_name)
-            old = getattr(parent, attr)
-            if old.in_features % 16 or old.out_features % 16:
-                continue
+            old = getattr(parent, attr, None)
+            if not isinstance(old, nn.Linear) or old.in_features % 16 or old.out_features % 16:
+                continue  # an MoE block's experts are stacked tensors, not linears
             setattr(parent, attr, te.Linear(old.in_features, old.out_features, bias=False,
                                              params_dtype=old.weight.dtype, device=old.weight.device))
             converted.append(f"layers.{name}.{fqn}")

@@ -112,7 +112,7 @@ def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
     else:
         require_flavor(model_cfg, spec.flavors)
         args = spec.flavors[model_cfg.flavor]
-    return dataclasses.replace(args, attention=model_cfg.attention)
+    return dataclasses.replace(args, attention=model_cfg.attention, freeze_router=model_cfg.freeze_router)
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32, attention: str = "sdpa"):

@@ -121,7 +121,9 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = None) -> list[str]:
-    """Converts the target projections of every block and freezes the rest; returns the converted names."""
+    """Converts the target projections of every block and freezes the rest; returns the converted names. In a
+    model with routed experts the MoE blocks have no gate/up/down projections: their experts and router stay
+    frozen (the attention projections, and the MLPs of dense layers, get adapters)."""
     lo = cfg.lora
     for p in model.parameters():
         p.requires_grad_(False)
@@ -131,7 +133,9 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
             parent_path, attr = TARGETS[hf_name].rsplit(".", 1)
             parent = block.get_submodule(parent_path)
             fqn = f"layers.{i}.{TARGETS[hf_name]}"
-            base = getattr(parent, attr)
+            base = getattr(parent, attr, None)
+            if not isinstance(base, nn.Linear):  # an MoE block's MLP: routed experts (frozen), no such projection
+                continue
             if is_float8_linear(base):  # float8 ran first: keep its float8 base matmul, add the adapter beside it
                 _add_lora_to_float8(base, lo.rank, lo.alpha, lo.dropout, fqn)
             else:

@@ -26,10 +26,12 @@ from torch import nn
 @dataclass
 class RouterStats:
     """What one MoE layer's router did in a forward: top-k selections per expert (float [E], no grad), the sum of
-    the router probabilities per expert over the tokens (fp32 [E], differentiable) and the token count."""
+    the router probabilities per expert over the tokens (fp32 [E], differentiable), the sum over tokens of the
+    squared log-partition of the router logits (for the z-loss; fp32 scalar, differentiable) and the token count."""
 
     counts: torch.Tensor
     prob_sum: torch.Tensor
+    z_sum: torch.Tensor
     n_tokens: int
 
 
@@ -43,6 +45,12 @@ def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tenso
     return n_experts * torch.sum(counts / rows * (probs / rows))
 
 
+def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
+    """ST-MoE's router z-loss: per MoE layer the mean over tokens of logsumexp(router logits)^2, summed over the
+    layers (it keeps router logits small, so their softmax stays stable in low precision)."""
+    return sum(s.z_sum / s.n_tokens for s in stats)
+
+
 def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``torch._grouped_mm`` runs for these operands (CPU: bf16/fp32; CUDA: bf16 on SM >= 9.0)."""
     if not hasattr(torch, "_grouped_mm"):
@@ -53,19 +61,22 @@ def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool, frozen: bool = False):
         super().__init__()
         self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.gate.weight.requires_grad_(not frozen)  # a frozen router keeps the base model's routing
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, dim] -> (probabilities fp32 [N, E], top-k weights [N, k] in x's dtype, top-k experts [N, k])."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (probabilities fp32 [N, E], top-k weights [N, k] in x's dtype, top-k experts [N, k],
+        sum over tokens of logsumexp(logits)^2 in fp32)."""
         logits = self.gate(x)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top_p, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
-        return probs, top_p.to(logits.dtype), top_i
+        z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum()
+        return probs, top_p.to(logits.dtype), top_i, z_sum
 
 
 class GroupedExperts(nn.Module):
@@ -103,23 +114,23 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Router + experts; ``forward(x [B, T, dim]) -> (out [B, T, dim], selections per expert [E], router
-    probability sums [E])``: plain tensors, so a compiled block returns them (:class:`RouterStats` is built by the
-    caller)."""
+    probability sums [E], z-loss sum)``: plain tensors, so a compiled block returns them (:class:`RouterStats` is
+    built by the caller)."""
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool,
-                 impl: str = "auto"):
+                 impl: str = "auto", freeze_router: bool = False):
         super().__init__()
-        self.router = Router(dim, n_experts, top_k, norm_topk_prob)
+        self.router = Router(dim, n_experts, top_k, norm_topk_prob, freeze_router)
         self.experts = GroupedExperts(dim, ffn_dim, n_experts)
         self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
         # Expert parallel replaces this (parallel.expert_parallel): (experts, rows sorted by expert, rows per
         # expert [E], impl) -> expert outputs in the same order, computed wherever the experts live.
         self.dispatch = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs, top_p, top_i = self.router(flat)
+        probs, top_p, top_i, z_sum = self.router(flat)
         expert_of = top_i.reshape(-1)  # [N * k]: the expert of each (token, slot) pair
         order = torch.argsort(expert_of, stable=True)
         token_of = order // self.top_k
@@ -130,7 +141,7 @@ class MoE(nn.Module):
         run = self.dispatch or (lambda experts, rows, n, how: experts(rows, n, how))
         y = run(self.experts, flat[token_of], counts, impl) * top_p.reshape(-1)[order, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))
-        return out.reshape(shape), counts.detach().float(), probs.sum(0)
+        return out.reshape(shape), counts.detach().float(), probs.sum(0), z_sum
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, std=std, a=-3 * std, b=3 * std)

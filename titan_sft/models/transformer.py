@@ -62,6 +62,7 @@ class TransformerArgs:
     attention: str = "sdpa"
     causal: bool = True
     moe_impl: str = "auto"  # experts as one grouped GEMM ("grouped"), a loop ("loop"), or grouped where it runs
+    freeze_router: bool = False  # routers' weights do not train
     extra: dict = field(default_factory=dict)  # HF config fields we carry through export untouched
 
     def moe_layers(self) -> list[int]:
@@ -176,15 +177,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = layer_id in args.moe_layers()
         self.feed_forward = (MoE(args.dim, args.moe_ffn_dim, args.n_experts, args.n_experts_per_tok,
-                                 args.norm_topk_prob, args.moe_impl) if self.moe else FeedForward(args.dim, args.ffn_dim))
+                                 args.norm_topk_prob, args.moe_impl, args.freeze_router)
+                             if self.moe else FeedForward(args.dim, args.ffn_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: AttentionMask) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The new hidden states; an MoE block also returns its router's selections and probability sums."""
+                mask: AttentionMask) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The new hidden states; an MoE block also returns its router's statistics (selections, probability
+        sums, z-loss sum)."""
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         if self.moe:
-            out, counts, prob_sum = self.feed_forward(self.ffn_norm(h))
-            return h + out, counts, prob_sum
+            out, *stats = self.feed_forward(self.ffn_norm(h))
+            return h + out, *stats
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float) -> None:
@@ -276,8 +279,8 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
             if isinstance(h, tuple):  # an MoE block: (hidden, router statistics)
-                h, counts, prob_sum = h
-                stats.append(RouterStats(counts, prob_sum, b * t))
+                h, counts, prob_sum, z_sum = h
+                stats.append(RouterStats(counts, prob_sum, z_sum, b * t))
         self.router_stats = stats
         h = self.norm(h)
         return h if hidden_only else self.output(h)

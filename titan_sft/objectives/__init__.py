@@ -90,25 +90,29 @@ class Objective:
         raise NotImplementedError
 
     def router_loss(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` plus, for a model with routed experts, ``coef`` x transformers' load-balancing loss of the
-        forward just run (``models.moe.load_balancing_loss`` over all MoE layers) divided by the number of
-        forwards of the global step: the step adds the mean over its forwards, as HF adds it per forward. The
-        coefficient is ``objective.router_aux_loss_coef``, -1 taking the model config's."""
+        """``loss`` plus, for a model with routed experts, the router losses of the forward just run divided by
+        the number of forwards of the global step (the step adds their mean over its forwards, as HF adds them per
+        forward): ``objective.router_aux_loss_coef`` x transformers' load-balancing loss
+        (``models.moe.load_balancing_loss`` over all MoE layers; -1 takes the model config's coefficient) and
+        ``objective.router_z_loss_coef`` x the router z-loss (``models.moe.router_z_loss``)."""
         stats = getattr(model, "router_stats", None)
         if not stats:
             return loss
-        from titan_sft.models.moe import load_balancing_loss
+        from titan_sft.models.moe import load_balancing_loss, router_z_loss
 
-        args = model.args
-        coef = self.cfg.objective.router_aux_loss_coef
-        coef = args.router_aux_loss_coef if coef < 0 else coef
-        aux = load_balancing_loss(stats, args.n_experts)
+        args, o = model.args, self.cfg.objective
+        coef = args.router_aux_loss_coef if o.router_aux_loss_coef < 0 else o.router_aux_loss_coef
+        aux, z = load_balancing_loss(stats, args.n_experts), router_z_loss(stats)
         self._n_experts = args.n_experts
         counts = torch.stack([s.counts for s in stats])
-        done = torch.cat([aux.detach().double().view(1), counts.double().flatten()])
+        done = torch.cat([torch.stack([aux.detach(), z.detach()]).double(), counts.double().flatten()])
         self._router_sums = done if getattr(self, "_router_sums", None) is None else self._router_sums + done
         forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
-        return loss + (coef / forwards) * aux if coef else loss
+        if coef:
+            loss = loss + (coef / forwards) * aux
+        if o.router_z_loss_coef:
+            loss = loss + (o.router_z_loss_coef / forwards) * z
+        return loss
 
     def step_sums(self) -> list[torch.Tensor]:
         """This rank's sums for the step's all-reduce (the same number on every rank and step); reset each step.
@@ -118,13 +122,13 @@ class Objective:
 
     def step_metrics(self, sums: list[float] = ()) -> dict[str, Any]:
         """Extra fields of the step's train record; ``sums`` are :meth:`step_sums` summed over all ranks: the
-        mean load-balancing loss of the step's forwards and, over the MoE layers, the highest and lowest expert
-        load relative to the mean (1.0 is perfect balance)."""
+        mean load-balancing loss and z-loss of the step's forwards and, over the MoE layers, the highest and lowest
+        expert load relative to the mean (1.0 is perfect balance)."""
         if not sums:
             return {}
         forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
-        counts = torch.tensor(sums[1:], dtype=torch.float64).view(-1, self._n_experts)
-        return {"aux_loss": sums[0] / forwards, **expert_load(counts)}
+        counts = torch.tensor(sums[2:], dtype=torch.float64).view(-1, self._n_experts)
+        return {"aux_loss": sums[0] / forwards, "z_loss": sums[1] / forwards, **expert_load(counts)}
 
     def head_positions(self, mb: Any) -> int:
         """How many positions of ``mb`` the output head is applied to (for the FLOP count): all of them, unless
