@@ -187,7 +187,7 @@ def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
 
 
 def test_impossible_expert_parallel_layouts_fail_with_one_line():
-    from titan_sft.config import ConfigError, check_expert_parallel, check_layout, load_config
+    from titan_sft.config import ConfigError, check_expert_parallel, check_layout, check_tensor_parallel, load_config
 
     with pytest.raises(ConfigError, match="'parallelism.ep': 3 must be a positive divisor of the FSDP shards"):
         check_layout(load_config(None, ["--parallelism.ep", "3"]), 4)
@@ -196,6 +196,10 @@ def test_impossible_expert_parallel_layouts_fail_with_one_line():
     with pytest.raises(ConfigError, match="has no routed experts"):
         check_expert_parallel(2, 0)
     assert check_layout(load_config(None, ["--parallelism.ep", "2"]), 4) == (1, 4, 1, 2)
+    with pytest.raises(ConfigError, match="tensor parallel of models with routed experts .* not implemented yet"):
+        check_tensor_parallel(2, 4, 2, 256, n_experts=8)
+    with pytest.raises(ConfigError, match="'training.compile': true is not supported yet"):
+        check_expert_parallel(1, 8, compile=True)
 
 
 @pytest.mark.slow
@@ -242,3 +246,15 @@ def test_debug_moe_job_learns_the_task(tmp_path):
     assert em and em[-1] >= 0.9
     train = [x for x in records if x["split"] == "train"]
     assert all("aux_loss" in x and "expert_load_max" in x for x in train)
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_30b_a3b_lora"])
+def test_30b_a3b_configs_dry_run_with_active_parameters_and_the_ep_layout(name):
+    env = {**os.environ, "WORLD_SIZE": "16"}
+    r = subprocess.run([sys.executable, "-m", "titan_sft.train", "--config", f"train_configs/{name}.toml", "--dry-run",
+                        "--model.init_from_hf", "false"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "30,532.1M parameters" in r.stdout and "3,353.0M active parameters" in r.stdout  # as Qwen publishes
+    assert "expert parallel 8: each rank holds 16 of the 128 experts" in r.stdout
+    if name.endswith("lora"):
+        assert "LoRA: rank 16" in r.stdout

@@ -154,7 +154,7 @@ def dry_run(cfg: JobConfig) -> str:
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
     layout = [
         f"mesh: dp_replicate {dp_rep} x dp_shard {dp_shard} x tp {tp} = {world} ranks"
-        f"{f', expert parallel {ep} (experts sharded over {dp_rep * dp_shard // ep} ranks each)' if ep > 1 else ''}"
+        f"{f', expert parallel {ep}: each rank holds {args.n_experts // ep} of the {args.n_experts} experts of a layer, FSDP-sharded over the {dp_rep * dp_shard // ep} ranks holding the same ones' if ep > 1 else ''}"
         f"{' (WORLD_SIZE)' if 'WORLD_SIZE' in os.environ else ''}; each rank takes "
         f"{B // (dp_rep * dp_shard)} packed examples per step in microbatches of {cfg.training.per_device_batch}",
         *(["tensor-parallel plan (sequence parallel between blocks, loss parallel on the vocab-split head):",
