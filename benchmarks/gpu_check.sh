@@ -15,6 +15,7 @@
 #   (c) the same with float8 rowwise and tensorwise                    120 s
 #   (d) attention alone: varlen vs sdpa vs flex (vs flash_varlen)       30 s
 #   (e) Qwen3-1.7B bf16 + compile + varlen                              45 s
+#   (g) 4 Qwen3-30B-A3B layers (MoE, grouped GEMM), bf16 and float8 attention, no compile    90 s
 #   (f) more cases (eager, compiled loss, full AC, flex, flash) while the deadline allows
 # PYTHON picks the interpreter that has the CUDA torch (default python3).
 # Files in $OUT: gpu_check.log (all output), gpu_env.txt, gpu_tests.log (pytest, in full), gpu_check.jsonl (a line
@@ -135,6 +136,7 @@ phase c_4b_float8 120 - "${BENCH[@]}" --cases 4b_f8_rowwise_compile_varlen,4b_f8
 phase d_attention 30 - "$PY" benchmarks/bench_attention.py "${MODE_ARGS[@]}" --jsonl "$OUT/gpu_check.jsonl" \
   --table "$OUT/gpu_check.md"
 phase e_1_7b 45 - "${BENCH[@]}" --cases 1.7b_bf16_compile_varlen
+phase g_moe 90 - "${BENCH[@]}" --cases moe_30b_a3b_4l_bf16_varlen,moe_30b_a3b_4l_f8_rowwise_varlen
 phase f_more 600 - "${BENCH[@]}" --cases 4b_bf16_eager_varlen,4b_bf16_compile_loss_varlen,1.7b_bf16_compile_flex,\
 1.7b_bf16_compile_flash_varlen,4b_bf16_compile_varlen_full_ac
 

@@ -1,7 +1,8 @@
 """HF I/O: the one module that reads and writes Hugging Face model directories.
 
-Used by ``titan_sft.models.load_hf`` (one process), by a run that starts from HF weights (each rank reads only
-its own shards), by periodic HF export during training, and by ``python -m titan_sft.convert``. Tensor names and
+Used by a run that starts from HF weights (each rank reads only its own shards), by periodic HF export during
+training, and by ``python -m titan_sft.convert``; hub ids resolve through the huggingface_hub cache here.
+(``titan_sft.models.load_hf``, the one-process loader of a local directory, lives in ``models.hf_checkpoint``.) Tensor names and
 config fields are mapped by the model family's state-dict adapter and ``models.hf_adapter``; the family's train
 spec says which ``model_type`` and architecture a directory holds.
 
@@ -23,10 +24,10 @@ import torch
 
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.constants import DTYPES
-from titan_sft.models.hf_adapter import (args_from_hf_config, expert_hf_names, expert_slot, hf_config_from_args,
-                                        native_to_hf_name)
+from titan_sft.models.hf_adapter import args_from_hf_config, expert_hf_names, hf_config_from_args, native_to_hf_name
+from titan_sft.models.hf_checkpoint import read_config, safetensors_files, tensor_shapes
 from titan_sft.models.transformer import TransformerArgs
-from titan_sft.registry import TrainSpec, spec_for_hf_model_type
+from titan_sft.registry import TrainSpec
 
 # ------------------------------------------------------------------------------------------------------------
 # reading
@@ -65,35 +66,17 @@ def resolve_hf_dir(path_or_id: str | Path) -> Path:
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of an HF directory (or hub id in the huggingface_hub cache)."""
-    path = resolve_hf_dir(path) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
-    return json.loads(path.read_text())
+    return read_config(resolve_hf_dir(path))
 
 
 def hf_safetensors_files(path: str | Path) -> list[Path]:
-    """The safetensors files of an HF directory: the index's shards, or the single ``model.safetensors``."""
-    path = resolve_hf_dir(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    """The safetensors files of an HF directory (or cached hub id): the index's shards, or ``model.safetensors``."""
+    return safetensors_files(resolve_hf_dir(path))
 
 
 def hf_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of an HF directory's tensors, read from the safetensors headers only."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in hf_safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
+    return tensor_shapes(resolve_hf_dir(path))
 
 
 def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
@@ -113,48 +96,6 @@ def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
         require_flavor(model_cfg, spec.flavors)
         args = spec.flavors[model_cfg.flavor]
     return dataclasses.replace(args, attention=model_cfg.attention, freeze_router=model_cfg.freeze_router)
-
-
-def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32, attention: str = "sdpa"):
-    """``titan_sft.models.load_hf``: the native model with the directory's weights, on CPU, in eval mode."""
-    from safetensors import safe_open
-
-    from titan_sft.models import build_model
-
-    hf_cfg = read_hf_config(path)
-    spec = spec_for_hf_model_type(hf_cfg.get("model_type"))
-    args = args_from_hf_config(hf_cfg)
-    adapter = spec.state_dict_adapter(args)
-    model = build_model(args, attention=attention)
-    model.to_empty(device="cpu")
-    expected = model.state_dict()
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for file in hf_safetensors_files(path):
-            with safe_open(str(file), framework="pt") as f:
-                for hf_name in f.keys():
-                    slot = expert_slot(hf_name)
-                    try:
-                        native = {slot[0]: None} if slot else adapter.from_hf({hf_name: None})
-                    except KeyError:
-                        raise ValueError(f"{file}: unexpected tensor '{hf_name}' for a {spec.name} model") from None
-                    for name in native:  # empty for a tied checkpoint's spare lm_head.weight
-                        if name not in expected:
-                            raise ValueError(f"{file}: unexpected tensor '{hf_name}' for this {spec.name} model")
-                        tensor = f.get_tensor(hf_name)
-                        target = expected[name] if slot is None else expected[name][slot[1]]
-                        if tuple(tensor.shape) != tuple(target.shape):
-                            raise ValueError(f"{file.name}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
-                                             f"the model expects {tuple(target.shape)}")
-                        target.copy_(tensor)
-                        loaded.add(name if slot is None else hf_name)
-    wanted = set(adapter.hf_names())
-    missing = [n for n in expected if n not in loaded and not (n == "output.weight" and args.tie_embeddings)
-               and not expert_hf_names(n, args.n_experts)]
-    missing += [n for n in wanted if expert_slot(n) and n not in loaded]
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    return model.to(dtype).eval()
 
 
 def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainSpec) -> None:

@@ -1,7 +1,8 @@
 """Native Qwen3 and Llama 3 models, and the public loader ``load_hf``.
 
 This package is plain PyTorch: it knows nothing of losses, data, checkpoints or distribution (a test walks its
-imports). Files are read and written by ``titan_sft.hf_io``.
+imports) and imports nothing of titan_sft outside it. ``load_hf`` reads a local HF directory
+(``models.hf_checkpoint``); distributed loading and writing are ``titan_sft.hf_io``'s.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, attention: str
     """Builds the native model from an HF directory's config.json and loads its safetensors weights.
 
     Args:
-        path: HF model directory (config.json + model.safetensors, or shards with an index).
+        path: a local HF model directory (config.json + model.safetensors, or shards with an index); for a hub
+            id in the huggingface_hub cache, pass ``titan_sft.hf_io.resolve_hf_dir(id)``.
         dtype: parameter dtype of the returned model.
         attention: attention backend (``sdpa``, ``flex``, ``flash_varlen``).
 
@@ -39,6 +41,6 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, attention: str
         (see :class:`Transformer` for the other call forms). A missing or unexpected tensor or a shape mismatch
         raises an error naming the tensor.
     """
-    from titan_sft.hf_io import load_hf_model  # the one HF reader (it imports this package, so not at the top)
+    from titan_sft.models.hf_checkpoint import load_hf_dir
 
-    return load_hf_model(path, dtype=dtype, attention=attention)
+    return load_hf_dir(path, dtype=dtype, attention=attention)
