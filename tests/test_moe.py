@@ -132,6 +132,8 @@ def test_the_objective_adds_the_aux_loss_per_forward_and_logs_expert_load(tmp_pa
     metrics = obj.step_metrics([2 * s for s in sums])  # as if two forwards (ranks) summed the same
     assert metrics["aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
     assert metrics["expert_load_max"] >= 1.0 >= metrics["expert_load_min"]
+    assert sorted(metrics["expert_load_max_by_layer"]) == ["1", "2", "3"]  # debug_moe: layer 0 is dense
+    assert max(metrics["expert_load_max_by_layer"].values()) == metrics["expert_load_max"]
     assert obj.step_sums() == []  # consumed by the step
     cfg0 = load_config(None, ["--objective.router_aux_loss_coef", "0"])
     model(ids, hidden_only=True)
@@ -162,7 +164,8 @@ def _close(a, b, keys=("loss", "grad_norm", "aux_loss"), rel=1e-5):
 
 @pytest.mark.slow
 def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
-    """EP 2 and EP 2 x FSDP 2 (experts sharded over the ep ranks, FSDP over the ranks holding the same experts):
+    """EP 2, EP 2 x FSDP 2 (experts sharded over the ep ranks, FSDP over the ranks holding the same experts) and EP 2
+    with full AC:
     losses, grad norms and aux losses of 3 steps within 1e-5 of one rank; an EP 2 checkpoint continues on one
     rank with the curve unchanged; the HF export of an EP run (label 2) equals the 1-rank export."""
     export = ["--checkpoint.hf_export_interval", "2", "--checkpoint.hf_export_dtype", "float32",
@@ -171,7 +174,8 @@ def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
     ep2 = _train(2, tmp_path / "ep2", *export, "--parallelism.ep", "2", "--training.stop_at_step", "3", steps=6)
     ep2x2 = _train(4, tmp_path / "ep2x2", *export, "--parallelism.ep", "2", "--training.stop_at_step", "3",
                    steps=6)
-    for run in (ep2, ep2x2):
+    ep2_ac = _train(2, tmp_path / "ep2_ac", "--parallelism.ep", "2", "--training.activation_checkpoint", "full")
+    for run in (ep2, ep2x2, ep2_ac):
         assert [r["step"] for r in run] == [1, 2, 3]
         for a, b in zip(run, one):
             _close(a, b)
@@ -238,7 +242,7 @@ def test_debug_moe_job_learns_the_task(tmp_path):
     (transformers' Qwen3MoeForCausalLM runs the evaluation). Measured: 98% in ~36 s on 2 cores."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     r = subprocess.run([sys.executable, "-m", "titan_sft.train", "--config", "train_configs/debug_moe.toml",
-                        "--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_tensorboard", "false"],
+                        "--job.dump_folder", str(tmp_path / "run")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -246,6 +250,10 @@ def test_debug_moe_job_learns_the_task(tmp_path):
     assert em and em[-1] >= 0.9
     train = [x for x in records if x["split"] == "train"]
     assert all("aux_loss" in x and "expert_load_max" in x for x in train)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(tmp_path / "run" / "tb")).Reload().Tags()["scalars"]
+    assert {"train/aux_loss", "train/expert_load_max_by_layer/1", "train/expert_load_min_by_layer/3"} <= set(tags)
 
 
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_30b_a3b_lora"])
@@ -258,3 +266,35 @@ def test_30b_a3b_configs_dry_run_with_active_parameters_and_the_ep_layout(name):
     assert "expert parallel 8: each rank holds 16 of the 128 experts" in r.stdout
     if name.endswith("lora"):
         assert "LoRA: rank 16" in r.stdout
+
+
+@pytest.mark.slow
+def test_lora_on_an_moe_model_loads_in_peft_like_the_merged_export(tmp_path):
+    """LoRA on Qwen3-MoE: adapters on the attention (experts and routers frozen); peft loads adapters/final onto
+    transformers' Qwen3MoeForCausalLM and gives the merged export's logits; the routers did not move."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = tmp_path / "hf"
+    _hf_moe(hf, vocab=512, mlp_only_layers=[0])
+    for f in (ROOT / "titan_sft/assets/debug_tokenizer").iterdir():
+        shutil.copy(f, hf / f.name)
+    _train(1, tmp_path / "run", "--model.hf_assets_path", str(hf), "--model.init_from_hf", "true",
+           "--model.converters", "lora", "--lora.targets", "q_proj,k_proj,v_proj,o_proj", "--optimizer.lr", "1e-2",
+           "--checkpoint.hf_export_interval", "2", "--checkpoint.hf_export_dtype", "float32")
+    adapter = tmp_path / "run" / "adapters" / "final"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    ids = torch.randint(0, 512, (2, 20))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+        before = base(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf" / "step-2", dtype=torch.float32).eval()
+        merged_logits = merged(ids).logits
+    assert (peft_logits - merged_logits).abs().max() < 1e-4
+    assert (merged_logits - before).abs().max() > 1e-3  # the adapters did train
+    start, end = _safetensors(hf), _safetensors(tmp_path / "run" / "hf" / "step-2")
+    assert all(torch.equal(start[k], end[k]) for k in start if ".mlp." in k)  # experts, routers, dense MLP frozen

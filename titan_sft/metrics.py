@@ -151,6 +151,10 @@ class MetricsLogger:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                 if self.tb:
                     self.tb.add_scalar(f"{split}/{key}", value, step)
+            elif isinstance(value, dict) and self.tb:  # one curve per entry (e.g. per MoE layer)
+                for sub, v in value.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.tb.add_scalar(f"{split}/{key}/{sub}", v, step)
         if self.wandb:
             self.wandb.log({f"{split}/{k}": v for k, v in record.items() if k != "split"}, step=step)
         if record.get("skipped"):

@@ -103,7 +103,7 @@ class Objective:
         args, o = model.args, self.cfg.objective
         coef = args.router_aux_loss_coef if o.router_aux_loss_coef < 0 else o.router_aux_loss_coef
         aux, z = load_balancing_loss(stats, args.n_experts), router_z_loss(stats)
-        self._n_experts = args.n_experts
+        self._n_experts, self._moe_layers = args.n_experts, args.moe_layers()
         counts = torch.stack([s.counts for s in stats])
         done = torch.cat([torch.stack([aux.detach(), z.detach()]).double(), counts.double().flatten()])
         self._router_sums = done if getattr(self, "_router_sums", None) is None else self._router_sums + done
@@ -128,7 +128,7 @@ class Objective:
             return {}
         forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
         counts = torch.tensor(sums[2:], dtype=torch.float64).view(-1, self._n_experts)
-        return {"aux_loss": sums[0] / forwards, "z_loss": sums[1] / forwards, **expert_load(counts)}
+        return {"aux_loss": sums[0] / forwards, "z_loss": sums[1] / forwards, **expert_load(counts, self._moe_layers)}
 
     def head_positions(self, mb: Any) -> int:
         """How many positions of ``mb`` the output head is applied to (for the FLOP count): all of them, unless
@@ -141,11 +141,15 @@ class Objective:
         return None
 
 
-def expert_load(counts: torch.Tensor) -> dict[str, float]:
-    """Max and min over MoE layers and experts of an expert's selections ([layers, E]) relative to its layer's
-    mean (1.0 everywhere is perfect balance)."""
+def expert_load(counts: torch.Tensor, layers: list[int]) -> dict:
+    """An expert's selections relative to its layer's mean (1.0 everywhere is perfect balance), from the step's
+    selections ``counts`` [MoE layers, E]: max and min over all layers and, per layer (keyed by layer index, for
+    TensorBoard curves), max and min over its experts."""
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
-    return {"expert_load_max": float(load.max()), "expert_load_min": float(load.min())}
+    hi, lo = load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist()
+    return {"expert_load_max": max(hi), "expert_load_min": min(lo),
+            "expert_load_max_by_layer": {str(i): v for i, v in zip(layers, hi)},
+            "expert_load_min_by_layer": {str(i): v for i, v in zip(layers, lo)}}
 
 
 def build_objective(cfg: JobConfig) -> Objective:
