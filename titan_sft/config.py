@@ -87,8 +87,21 @@ class Objective:
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture (``[[data.sources]]``)."""
+
+    name: str = doc("", "the source's name in train records, validation records and errors")
+    path: str = doc("", "its packed dataset directory (prepare or prepare_diffusion output)")
+    weight: float = doc(1.0, "its share of the packs drawn (the weights are normalised to sum 1)")
+    max_epochs: float = doc(0.0, "stop drawing from it after this many passes over its packs (0: no cap); the "
+                                 "other sources' weights are then renormalised")
+
+
+@dataclass
 class Data:
-    path: str = doc("", "packed dataset directory (python -m titan_sft.data.prepare)")
+    path: str = doc("", "packed dataset directory (python -m titan_sft.data.prepare); or data.sources")
+    sources: list[DataSource] = doc([], "a weighted mixture instead of data.path: [[data.sources]] tables with "
+                                        "name, path, weight and max_epochs (docs: README, Data mixtures)")
     shuffle: bool = doc(False, "visit packs in a seeded random order instead of the recipe's sequential one")
     shuffle_seed: int = doc(0, "seed of that order")
     reshuffle_each_epoch: bool = doc(False, "with shuffle: a new seeded order every epoch (the reference diffusion "
@@ -304,7 +317,10 @@ def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
+        elem = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(elem):
+            return f"an array of tables with {', '.join(_field_names(elem))}"
+        return f"a list of {_describe(elem)}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
@@ -322,6 +338,15 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         return value
     if origin is list:
         (elem,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(elem):  # an array of tables; on the command line a JSON list of objects
+            if from_cli and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise bad from None
+            if not isinstance(value, list):
+                raise bad
+            return [_table(f"{key}[{i}]", elem, v, from_cli) for i, v in enumerate(value)]
         if from_cli and isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
@@ -360,6 +385,22 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             return value
         raise bad
     raise TypeError(f"unsupported config type {tp} for {key}")  # a bug in this file, not user input
+
+
+def _table(key: str, cls: type, value: Any, from_cli: bool) -> Any:
+    """One table of an array of tables (``[[data.sources]]``) as its dataclass; unknown keys name the table."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key '{key}': got {value!r}, expected a table ({', '.join(_field_names(cls))})")
+    hints = typing.get_type_hints(cls)
+    unknown = [k for k in value if k not in hints]
+    if unknown:
+        raise ConfigError(f"config key '{key}.{unknown[0]}': unknown{_closest(unknown[0], list(hints))}; known: "
+                          f"{', '.join(hints)}")
+    return cls(**{k: _coerce(f"{key}.{k}", hints[k], v, from_cli) for k, v in value.items()})
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool, where: str) -> None:
@@ -449,6 +490,17 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.data.skip_examples >= 0, "data.skip_examples", ">= 0", cfg.data.skip_examples)
     need(not cfg.data.reshuffle_each_epoch or cfg.data.shuffle, "data.reshuffle_each_epoch",
          "true only together with data.shuffle = true", cfg.data.reshuffle_each_epoch)
+    src = cfg.data.sources
+    need(not (src and cfg.data.path), "data.sources", "either data.path or data.sources, not both", cfg.data.path)
+    names = [x.name for x in src]
+    for i, x in enumerate(src):
+        need(bool(x.name) and x.name not in names[:i], f"data.sources[{i}].name", "a non-empty name no other source has",
+             x.name)
+        need(bool(x.path), f"data.sources[{i}].path", "a packed dataset directory", x.path)
+        need(x.weight > 0 and math.isfinite(x.weight), f"data.sources[{i}].weight", "a positive number", x.weight)
+        need(x.max_epochs >= 0, f"data.sources[{i}].max_epochs", ">= 0 (0: no cap)", x.max_epochs)
+    need(not (src and cfg.validation.holdout_fraction), "validation.holdout_fraction",
+         "0 with data.sources (give validation.path)", cfg.validation.holdout_fraction)
     need(t.stop_at_step >= 0, "training.stop_at_step", ">= 0 (0 = run to the end)", t.stop_at_step)
     need(t.global_batch_size >= 1, "training.global_batch_size", ">= 1", t.global_batch_size)
     need(t.per_device_batch >= 1, "training.per_device_batch", ">= 1", t.per_device_batch)
@@ -538,8 +590,9 @@ def validate(cfg: JobConfig) -> None:
 
 
 def require_data_path(cfg: JobConfig) -> None:
-    if not cfg.data.path:
-        raise ConfigError("config key 'data.path': empty; allowed: a packed dataset directory (titan_sft.data.prepare)")
+    if not cfg.data.path and not cfg.data.sources:
+        raise ConfigError("config key 'data.path': empty; allowed: a packed dataset directory (titan_sft.data.prepare), "
+                          "or a mixture in [[data.sources]]")
 
 
 def require_flavor(model_cfg: Model, flavors: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -30,6 +31,38 @@ def planned_world_size(cfg: JobConfig) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     return p.dp_replicate * max(p.dp_shard, 1) * p.tp
+
+
+def _mixture_lines(cfg: JobConfig) -> tuple[int | None, int, list[str]]:
+    """(row length, steps, lines) of a ``[[data.sources]]`` mixture: per source its weight, packs and tokens, and
+    what the run draws of it (packs, tokens, epochs)."""
+    from titan_sft.data.mixture import MixtureDataset, MixtureSampler
+
+    missing = [x for x in cfg.data.sources if not Path(x.path).exists()]
+    B = cfg.training.global_batch_size
+    if missing:
+        T = cfg.training.steps
+        return None, T, [f"data: mixture of {len(cfg.data.sources)} sources; not prepared yet: "
+                         + ", ".join(f"{x.name} ({x.path})" for x in missing),
+                         f"steps: {T} (explicit)" if T else "steps: known once every source is prepared"]
+    ds = MixtureDataset([(x.name, x.path) for x in cfg.data.sources])
+    sampler = MixtureSampler(ds, [x.weight for x in cfg.data.sources], [x.max_epochs for x in cfg.data.sources], B,
+                             offset=cfg.data.skip_examples)
+    T = total_steps(cfg, len(ds), sampler.available)
+    drawn = [b - a for a, b in zip(sampler.schedule.draws_before(cfg.data.skip_examples),
+                                   sampler.schedule.draws_before(cfg.data.skip_examples + T * B))]
+    total_w = sum(x.weight for x in cfg.data.sources)
+    lines = [f"data: mixture of {len(ds.names)} sources, {len(ds):,} packed examples of {ds.seq_len:,} tokens; a "
+             "weight counts packs (so roughly tokens); per source: weight, packs, tokens -> drawn over the run"]
+    for x, sub, n in zip(cfg.data.sources, ds.datasets, drawn):
+        tokens = int(sub.used.sum())
+        cap = f", capped at {x.max_epochs:g} epochs" if x.max_epochs else ""
+        lines.append(f"  {x.name}: weight {x.weight / total_w:.3f}{cap}; {len(sub):,} packs, {tokens:,} tokens -> "
+                     f"{n:,} packs (~{n / len(sub) * tokens:,.0f} tokens) = {n / len(sub):.2f} epochs")
+    lines += [f"global batch: {B} packed examples = {B * ds.seq_len:,} tokens per step; per device "
+              f"{cfg.training.per_device_batch}",
+              f"steps: {T} ({f'{cfg.training.epochs} epochs of all sources together' if cfg.training.steps == 0 else 'explicit'})"]
+    return ds.seq_len, T, lines
 
 
 def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen_bytes: int = 4) -> dict[str, float]:
@@ -74,7 +107,6 @@ def _objective_line(cfg) -> str:
 def dry_run(cfg: JobConfig) -> str:
     """The plan as text (one fact per line). Without the packed dataset (not prepared yet) the plan still shows
     the model, layout and memory, and the schedule when ``training.steps`` is explicit."""
-    from pathlib import Path
 
     from titan_sft.data.dataset import PackedDataset
     from titan_sft.data.sampler import holdout_split
@@ -83,13 +115,19 @@ def dry_run(cfg: JobConfig) -> str:
     spec = get_train_spec(cfg.model.name)
     get_objective(cfg.objective.name)  # an unknown objective fails here, as it would at start
     require_data_path(cfg)
-    ds = PackedDataset(cfg.data.path) if Path(cfg.data.path).exists() else None
+    if cfg.data.sources:
+        ds = None
+        mixture_lines = _mixture_lines(cfg)
+    else:
+        ds = PackedDataset(cfg.data.path) if Path(cfg.data.path).exists() else None
     # The plan is for the GPU machine the run is meant for: 'auto' resolves as it would there.
     attention, _ = resolve_backend(cfg.model.attention, "cuda")
     args = model_args(dataclasses.replace(cfg.model, attention=attention), spec)
     shown = f"auto -> {attention} on GPU" if cfg.model.attention == "auto" else attention
     B = cfg.training.global_batch_size
-    if ds is not None:
+    if cfg.data.sources:
+        L, T, data_lines = mixture_lines
+    elif ds is not None:
         m, L = ds.manifest, ds.seq_len
         trained, held = holdout_split(len(ds), cfg.validation.holdout_fraction, cfg.validation.holdout_seed)
         T = total_steps(cfg, len(trained))

@@ -51,10 +51,20 @@ class Schedule:
         return 1.0
 
 
-def total_steps(cfg, n_packs: int) -> int:
+def total_steps(cfg, n_packs: int, available: float = math.inf) -> int:
     """``training.steps``, or 0 = ``training.epochs`` (8, the recipe) over the packed data:
-    ceil(epochs * n_packs / global batch)."""
-    return cfg.training.steps or math.ceil(cfg.training.epochs * n_packs / cfg.training.global_batch_size)
+    ceil(epochs * n_packs / global batch). ``available``: the examples the data can supply (a mixture whose every
+    source is capped by ``max_epochs``); the epochs are then cut to it, and explicit steps must fit."""
+    from titan_sft.config import ConfigError
+
+    B = cfg.training.global_batch_size
+    fit = math.inf if math.isinf(available) else int(available // B)
+    if cfg.training.steps:
+        if cfg.training.steps > fit:
+            raise ConfigError(f"config key 'training.steps': {cfg.training.steps}, but the mixture of data.sources "
+                              f"(every source capped by max_epochs) supplies {int(available)} examples = {fit} steps")
+        return cfg.training.steps
+    return min(math.ceil(cfg.training.epochs * n_packs / B), fit)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_steps: int):

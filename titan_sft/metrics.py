@@ -151,10 +151,9 @@ class MetricsLogger:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                 if self.tb:
                     self.tb.add_scalar(f"{split}/{key}", value, step)
-            elif isinstance(value, dict) and self.tb:  # one curve per entry (e.g. per MoE layer)
-                for sub, v in value.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        self.tb.add_scalar(f"{split}/{key}/{sub}", v, step)
+            elif isinstance(value, dict) and self.tb:  # one curve per entry (per MoE layer, per data source)
+                for tag, v in _flatten(value, f"{split}/{key}"):
+                    self.tb.add_scalar(tag, v, step)
         if self.wandb:
             self.wandb.log({f"{split}/{k}": v for k, v in record.items() if k != "split"}, step=step)
         if record.get("skipped"):
@@ -212,6 +211,15 @@ class ProgressBar:
     def close(self) -> None:
         self.bar.close()
         self.redirect.__exit__(None, None, None)
+
+
+def _flatten(tree: dict, prefix: str):
+    """(tag, number) for every number in a nested dict, tags joined with '/'."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}/{k}")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield f"{prefix}/{k}", v
 
 
 def _fmt_time(sec: float) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import os
 import signal
 import socket
@@ -63,7 +64,7 @@ class Trainer:
         self.dataset, self.sampler = self.loader.dataset, self.loader.sampler
         self.seq_len = self.dataset.seq_len
         self.objective.check_dataset(self.dataset)
-        self.total_steps = total_steps(cfg, self.sampler.n_packs)  # the packs trained on
+        self.total_steps = total_steps(cfg, self.sampler.n_packs, getattr(self.sampler, "available", math.inf))
 
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
@@ -118,7 +119,7 @@ class Trainer:
             f"[init] model {cfg.model.name} ({where}): {self.args.num_params() / 1e6:,.1f}M parameters, attention "
             f"{cfg.model.attention}, objective {cfg.objective.name}",
             f"[init] {d.world} ranks on {len(self.nodes)} node(s): {', '.join(self.nodes)}; {d.dims.describe()}",
-            f"[init] data {cfg.data.path}: {len(self.dataset):,} packs of {L:,} tokens, {m.get('n_tokens', 0):,} "
+            f"[init] data {cfg.data.path or ', '.join(x.name for x in cfg.data.sources)}: {len(self.dataset):,} packs of {L:,} tokens, {m.get('n_tokens', 0):,} "
             f"tokens, {loss_tokens:,} loss tokens",
             f"[init] {B} packs = {B * L:,} tokens per step, {self.total_steps} steps; output {cfg.job.dump_folder}",
         ):
@@ -216,7 +217,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 **self.objective.step_metrics(sums), "n_tokens": n_tokens, "step_time_s": dt,
-                **self.metrics.throughput(n_tokens, flops, dt, self.dist.world)}
+                **self.metrics.throughput(n_tokens, flops, dt, self.dist.world), **batch.metrics}
 
     def _agree(self, loss_sum: torch.Tensor, n_tokens: int, flops: float,
                extra: list[torch.Tensor] = ()) -> tuple[float, int, float, list[float]]:

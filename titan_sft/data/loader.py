@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -26,6 +26,7 @@ class StepBatch:
     step: int  # 0-based optimizer step
     global_ids: np.ndarray  # pack ids of the whole global batch
     microbatches: list[Any]  # what the objective's collator makes of each per_device_batch packs
+    metrics: dict = field(default_factory=dict)  # fields for the step's train record (a mixture's per-source counts)
 
 
 class BatchLoader:
@@ -57,7 +58,8 @@ class BatchLoader:
             mb = self.collate_fn([self.dataset[int(i)] for i in local_ids[k : k + P]], group_of[k : k + P].tolist(),
                                  keys[k : k + P].tolist())
             mbs.append(mb.pin_memory() if self.pin_memory else mb)
-        return StepBatch(step, global_ids, mbs)
+        metrics = {"sources": self.sampler.source_stats(global_ids)} if hasattr(self.sampler, "source_stats") else {}
+        return StepBatch(step, global_ids, mbs, metrics)
 
     def start(self, first_step: int) -> None:
         """Starts building steps ``first_step, first_step + 1, ...`` in the background."""
@@ -97,13 +99,21 @@ class BatchLoader:
 
 
 def build_loader(cfg: JobConfig, dp_rank: int, dp_world: int, collate_fn: Callable, pin_memory: bool) -> BatchLoader:
-    """The packed dataset of ``data.path``, the recipe sampler for this data-parallel rank (over the packs left
-    after ``validation.holdout_fraction``), and the loader."""
+    """The packed dataset of ``data.path`` and the recipe sampler for this data-parallel rank (over the packs left
+    after ``validation.holdout_fraction``), or the mixture of ``data.sources`` and its sampler; and the loader."""
     require_data_path(cfg)
-    dataset = PackedDataset(cfg.data.path)
-    t, v = cfg.training, cfg.validation
+    t, v, d = cfg.training, cfg.validation, cfg.data
+    if d.sources:
+        from titan_sft.data.mixture import MixtureDataset, MixtureSampler
+
+        dataset = MixtureDataset([(x.name, x.path) for x in d.sources])
+        sampler = MixtureSampler(dataset, [x.weight for x in d.sources], [x.max_epochs for x in d.sources],
+                                 t.global_batch_size, dp_rank, dp_world, d.shuffle, d.shuffle_seed,
+                                 offset=d.skip_examples, reshuffle=d.reshuffle_each_epoch)
+        return BatchLoader(dataset, sampler, t.per_device_batch, t.loss_groups, collate_fn, pin_memory)
+    dataset = PackedDataset(d.path)
     trained, _ = holdout_split(len(dataset), v.holdout_fraction, v.holdout_seed)
-    sampler = RecipeSampler(len(dataset), t.global_batch_size, dp_rank, dp_world, cfg.data.shuffle, cfg.data.shuffle_seed,
-                            subset=trained if v.holdout_fraction else None, offset=cfg.data.skip_examples,
-                            reshuffle=cfg.data.reshuffle_each_epoch)
+    sampler = RecipeSampler(len(dataset), t.global_batch_size, dp_rank, dp_world, d.shuffle, d.shuffle_seed,
+                            subset=trained if v.holdout_fraction else None, offset=d.skip_examples,
+                            reshuffle=d.reshuffle_each_epoch)
     return BatchLoader(dataset, sampler, t.per_device_batch, t.loss_groups, collate_fn, pin_memory)
