@@ -145,3 +145,43 @@ def test_dry_run_prints_per_source_packs_tokens_and_epochs(tmp_path):
     assert f"data: mixture of 2 sources, {2 * n:,} packed examples" in text
     assert "a: weight 0.750;" in text and "b: weight 0.250, capped at 1 epochs;" in text
     assert f"steps: {-(-2 * n // 4)} (1 epochs of all sources together)" in text
+
+
+@pytest.mark.slow
+def test_per_source_validation_records_and_the_weighted_mean(tmp_path):
+    paths = _prepare_sources(tmp_path)
+    sources = [("chat", paths["chat"], 0.75), ("math", paths["math"], 0.25)]
+    held = json.dumps([{"name": "chat", "path": str(paths["chat"])}, {"name": "math", "path": str(paths["math"])}])
+    dump = tmp_path / "run"
+    _run(1, dump, sources, "--training.steps", "4", "--validation.sources", held, "--validation.interval", "2",
+         "--validation.max_packs", "8", "--metrics.enable_tensorboard", "true")
+    val = [json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines() if '"validation"' in x]
+    assert [(r["step"], r.get("source")) for r in val] == [(2, "chat"), (2, "math"), (2, None), (4, "chat"),
+                                                           (4, "math"), (4, None)]
+    for chat, math_, mean in (val[:3], val[3:]):
+        assert mean["loss"] == pytest.approx(0.75 * chat["loss"] + 0.25 * math_["loss"], rel=1e-12)
+        assert mean["sources"] == {"chat": chat["loss"], "math": math_["loss"]} and chat["n_packs"] == 8
+    assert val[2].get("best") and (dump / "checkpoints-best" / "meta.json").is_file()  # keep_best: on the mean
+    best = json.loads((dump / "checkpoints-best" / "meta.json").read_text())["validation_loss"]
+    assert best == min(val[2]["loss"], val[5]["loss"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set(EventAccumulator(str(dump / "tb")).Reload().Tags()["scalars"])
+    assert {"validation/chat/loss", "validation/math/loss", "validation/loss", "train/sources/math/n_packs"} <= tags
+
+
+def test_validation_records_select_the_mean_or_a_named_source():
+    from titan_sft.config import ConfigError, load_config, validation_sets
+    from titan_sft.objectives import validation_records
+
+    results = [("a", 3.0, {"loss": 1.0}), ("b", 1.0, {"loss": 2.0})]
+    records, chosen = validation_records(5, results)
+    assert chosen == pytest.approx(1.25) and records[-1]["sources"] == {"a": 1.0, "b": 2.0}
+    assert validation_records(5, results, best_source="b")[1] == 2.0
+    single, loss = validation_records(5, [(None, 1.0, {"loss": 0.5, "n_packs": 3})])
+    assert single == [{"split": "validation", "step": 5, "loss": 0.5, "n_packs": 3}] and loss == 0.5
+    cfg = load_config(None, ["--data.sources", '[{"name": "a", "path": "x", "weight": 3}]', "--validation.sources",
+                             '[{"name": "a", "path": "va"}, {"name": "z", "path": "vz"}]'])
+    assert validation_sets(cfg) == [("a", "va", 3.0), ("z", "vz", 1.0)] and cfg.validation.keep_best is True
+    with pytest.raises(ConfigError, match="validation.best_source"):
+        load_config(None, ["--validation.sources", '[{"name": "a", "path": "va"}]', "--validation.best_source", "q"])

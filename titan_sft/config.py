@@ -213,6 +213,16 @@ class Metrics:
 
 
 @dataclass
+class ValidationSource:
+    """One held-out set of ``[[validation.sources]]``."""
+
+    name: str = doc("", "the source's name in its validation records (a training source's, to share its weight)")
+    path: str = doc("", "its packed held-out dataset directory")
+    weight: float = doc(0.0, "its weight in the weighted mean; 0: the weight of the training source of the same "
+                             "name, else 1")
+
+
+@dataclass
 class Validation:
     generation_eval_path: str = doc("", "JSONL of held-out chats: after the final export, greedy decoding of "
                                         "each prompt and exact match with the last assistant turn; empty disables; "
@@ -220,6 +230,10 @@ class Validation:
     max_new_tokens: int = doc(32, "tokens generated per held-out prompt")
     max_examples: int = doc(200, "held-out prompts evaluated at most")
     path: str = doc("", "packed dataset for the held-out loss (prepare's output); empty: none, or holdout_fraction")
+    sources: list[ValidationSource] = doc([], "several held-out sets instead of path: [[validation.sources]] tables "
+                                              "(name, path, weight); one record per source and their weighted mean")
+    best_source: str = doc("", "with validation.sources: keep_best follows this source's loss; empty: the "
+                               "weighted mean")
     holdout_fraction: float = doc(0.0, "hold this fraction of the training packs out for the held-out loss "
                                        "(seeded split; they are not trained on)")
     holdout_seed: int = doc(0, "seed of that split")
@@ -562,8 +576,19 @@ def validate(cfg: JobConfig) -> None:
     need(not (v.path and v.holdout_fraction), "validation.holdout_fraction",
          "0 when validation.path is set (one held-out set)", v.holdout_fraction)
     need(v.interval >= 0, "validation.interval", ">= 0 (0 = only after the last step)", v.interval)
+    need(not (v.sources and (v.path or v.holdout_fraction)), "validation.sources",
+         "either validation.sources or validation.path / holdout_fraction", [x.name for x in v.sources])
+    vnames = [x.name for x in v.sources]
+    for i, x in enumerate(v.sources):
+        need(bool(x.name) and x.name not in vnames[:i], f"validation.sources[{i}].name",
+             "a non-empty name no other validation source has", x.name)
+        need(bool(x.path), f"validation.sources[{i}].path", "a packed dataset directory", x.path)
+        need(x.weight >= 0, f"validation.sources[{i}].weight", ">= 0 (0: the training source's weight, else 1)",
+             x.weight)
+    need(not v.best_source or v.best_source in vnames, "validation.best_source",
+         f"empty (the weighted mean) or one of validation.sources' names {vnames}", v.best_source)
     if v.keep_best == "auto":
-        v.keep_best = bool(v.path or v.holdout_fraction)
+        v.keep_best = bool(v.path or v.holdout_fraction or v.sources)
     need(not v.best_only or v.keep_best, "validation.best_only", "false unless validation.keep_best", v.best_only)
     need(v.generation_every >= 0, "validation.generation_every", ">= 0 (0 disables)", v.generation_every)
     need(v.block_length >= 1 and v.gen_length % v.block_length == 0, "validation.gen_length",
@@ -573,8 +598,9 @@ def validate(cfg: JobConfig) -> None:
     need(v.temperature >= 0, "validation.temperature", ">= 0", v.temperature)
     need(v.max_packs >= 0, "validation.max_packs", "0 (all) or a positive count", v.max_packs)
     need(v.batch_size >= 0, "validation.batch_size", "0 (training.per_device_batch) or a positive count", v.batch_size)
-    need(not v.keep_best or bool(v.path or v.holdout_fraction), "validation.keep_best",
-         "false unless validation.path or validation.holdout_fraction gives a held-out set", v.keep_best)
+    need(not v.keep_best or bool(v.path or v.holdout_fraction or v.sources), "validation.keep_best",
+         "false unless validation.path, validation.sources or validation.holdout_fraction gives a held-out set",
+         v.keep_best)
     p = cfg.parallelism
     need(p.dp_replicate >= 1, "parallelism.dp_replicate", ">= 1", p.dp_replicate)
     need(p.dp_shard == -1 or p.dp_shard >= 1, "parallelism.dp_shard", "-1 (the rest) or >= 1", p.dp_shard)
@@ -628,6 +654,16 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             f"batch global_batch_size / ranks = {t.global_batch_size // dp}"
         )
     return p.dp_replicate, shard, p.tp, p.ep
+
+
+def validation_sets(cfg: JobConfig) -> list[tuple[str | None, str, float]]:
+    """(name, path, weight) of each held-out set: ``validation.sources`` (weights from the training source of the
+    same name where not given, else 1), or ``validation.path`` alone (name None: records without a source)."""
+    v = cfg.validation
+    if not v.sources:
+        return [(None, v.path, 1.0)] if v.path else []
+    train = {x.name: x.weight for x in cfg.data.sources}
+    return [(x.name, x.path, x.weight or train.get(x.name, 1.0)) for x in v.sources]
 
 
 def check_expert_parallel(ep: int, n_experts: int, compile: bool = False) -> None:

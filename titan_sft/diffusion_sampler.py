@@ -167,7 +167,7 @@ class GenerationValidator:
         if not tok_dir:
             from titan_sft.data.dataset import PackedDataset
 
-            tok_dir = PackedDataset(cfg.data.path).manifest.get("tokenizer", "")
+            tok_dir = PackedDataset(cfg.data.path or cfg.data.sources[0].path).manifest.get("tokenizer", "")
         self.tokenizer = load_tokenizer(resolve_hf_dir(tok_dir))
         self.prompts = load_prompts(resolve_prompts(v.generation_eval_path), self.tokenizer, v.max_examples)
         self.every, self.rounds = v.generation_every, 0

@@ -147,15 +147,18 @@ class MetricsLogger:
         self.jsonl.flush()
         split = record.get("split", "train")
         step = record["step"]
+        # A held-out source's record gets curves of its own (validation/<source>/loss).
+        split_tag = f"{split}/{record['source']}" if record.get("source") else split
         for key, value in record.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                 if self.tb:
-                    self.tb.add_scalar(f"{split}/{key}", value, step)
+                    self.tb.add_scalar(f"{split_tag}/{key}", value, step)
             elif isinstance(value, dict) and self.tb:  # one curve per entry (per MoE layer, per data source)
-                for tag, v in _flatten(value, f"{split}/{key}"):
+                for tag, v in _flatten(value, f"{split_tag}/{key}"):
                     self.tb.add_scalar(tag, v, step)
         if self.wandb:
-            self.wandb.log({f"{split}/{k}": v for k, v in record.items() if k != "split"}, step=step)
+            self.wandb.log({f"{split_tag}/{k}": v for k, v in record.items() if k not in ("split", "source")},
+                           step=step)
         if record.get("skipped"):
             return
         if split == "train":

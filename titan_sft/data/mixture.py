@@ -143,7 +143,8 @@ class MixtureDataset:
         first = self.datasets[0]
         for name, ds in zip(self.names[1:], self.datasets[1:]):
             for key, what in (("max_seq_len", "sequence length"), ("tokenizer_sha256", "tokenizer"),
-                              ("chat_template_sha256", "chat template"), ("vocab_size", "vocabulary")):
+                              ("chat_template_sha256", "chat template"), ("vocab_size", "vocabulary"),
+                              ("eos_pad", "EOS padding")):
                 a, b = first.manifest.get(key), ds.manifest.get(key)
                 if a is not None and b is not None and a != b:
                     raise DatasetError(f"data.sources '{name}' ({ds.path}): its {what} ({key} {b}) differs from "

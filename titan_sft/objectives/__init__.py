@@ -141,6 +141,24 @@ class Objective:
         return None
 
 
+def validation_records(step: int, results: list[tuple[str | None, float, dict]], best_source: str = ""
+                       ) -> tuple[list[dict], float]:
+    """The records of one validation round over one or more held-out sets, and the loss best-checkpoint selection
+    follows. ``results``: (source name or None, weight, fields with ``loss``) per set. One unnamed set gives its
+    record as is; named sets give one record each (``source``: name) and a record of their weighted mean loss
+    (``sources``: name -> loss), which selection follows unless ``best_source`` names a set."""
+    if len(results) == 1 and results[0][0] is None:
+        rec = {"split": "validation", "step": step, **results[0][2]}
+        return [rec], rec["loss"]
+    records = [{"split": "validation", "step": step, "source": name, **fields} for name, _, fields in results]
+    total = sum(w for _, w, _ in results)
+    mean = sum(w * fields["loss"] for _, w, fields in results) / total
+    records.append({"split": "validation", "step": step, "loss": mean, "weighted_mean_of": len(results),
+                    "sources": {name: fields["loss"] for name, _, fields in results}})
+    chosen = next((f["loss"] for n, _, f in results if n == best_source), mean) if best_source else mean
+    return records, chosen
+
+
 def expert_load(counts: torch.Tensor, layers: list[int]) -> dict:
     """An expert's selections relative to its layer's mean (1.0 everywhere is perfect balance), from the step's
     selections ``counts`` [MoE layers, E]: max and min over all layers and, per layer (keyed by layer index, for

@@ -22,7 +22,7 @@ from titan_sft.constants import IGNORE_INDEX
 from titan_sft.data.collator import Microbatch, collate
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
-from titan_sft.objectives import BatchError, Objective, Validator, Validators
+from titan_sft.objectives import BatchError, Objective, Validator, Validators, validation_records
 from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 from titan_sft.startup_checks import StartupCheckError
@@ -94,7 +94,7 @@ class CausalLM(Objective):
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
         v = self.cfg.validation
         validators: list[Validator] = []
-        if v.path or v.holdout_fraction:
+        if v.path or v.holdout_fraction or v.sources:
             validators.append(HeldOutLoss(self.cfg, self.collate, self.dp_group))
         if v.generation_eval_path:
             validators.append(ExactMatchValidator(v.generation_eval_path, v.max_new_tokens, v.max_examples))
@@ -102,7 +102,8 @@ class CausalLM(Objective):
 
 
 class HeldOutLoss(Validator):
-    """Cross-entropy per loss-carrying token over a held-out packed dataset (``validation.path``) or the packs
+    """Cross-entropy per loss-carrying token over a held-out packed dataset (``validation.path``), several
+    (``validation.sources``: a record per source and their weighted mean) or the packs
     ``validation.holdout_fraction`` kept out of training, every ``validation.interval`` steps and after the last.
 
     The held-out loss is the token mean over the whole set (not the training step's mean of group means, which
@@ -112,44 +113,49 @@ class HeldOutLoss(Validator):
     """
 
     def __init__(self, cfg: JobConfig, collate_fn, dp_group):
+        from titan_sft.config import validation_sets
         from titan_sft.data.dataset import PackedDataset
         from titan_sft.data.sampler import holdout_split
 
         v = cfg.validation
-        if v.path:
-            self.dataset = PackedDataset(v.path)
-            self.ids = np.arange(len(self.dataset))
-        else:
-            self.dataset = PackedDataset(cfg.data.path)
-            self.ids = holdout_split(len(self.dataset), v.holdout_fraction, v.holdout_seed)[1]
-        self.collate, self.dp_group = collate_fn, dp_group
-        self.interval, self.keep_best = v.interval, v.keep_best
+        self.sets = []  # (source name or None, dataset, pack ids, weight)
+        for name, path, weight in validation_sets(cfg):
+            ds = PackedDataset(path)
+            self.sets.append((name, ds, np.arange(len(ds)), weight))
+        if not self.sets:
+            ds = PackedDataset(cfg.data.path)
+            self.sets.append((None, ds, holdout_split(len(ds), v.holdout_fraction, v.holdout_seed)[1], 1.0))
         if v.max_packs:
-            self.ids = self.ids[: v.max_packs]
+            self.sets = [(n, ds, ids[: v.max_packs], w) for n, ds, ids, w in self.sets]
+        self.collate, self.dp_group = collate_fn, dp_group
+        self.interval, self.keep_best, self.best_source = v.interval, v.keep_best, v.best_source
         self.per_device, self.chunk = v.batch_size or cfg.training.per_device_batch, cfg.training.loss_chunk_size
         self.best = float("inf")
 
     def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
         if not (step == total_steps or (self.interval and step % self.interval == 0)):
             return []
-        loss, n_tokens = self.evaluate(model)
-        record = {"split": "validation", "step": step, "loss": loss, "n_loss_tokens": n_tokens, "n_packs": len(self.ids)}
+        results = []
+        for name, ds, ids, weight in self.sets:
+            loss, n_tokens = self.evaluate(model, ds, ids)
+            results.append((name, weight, {"loss": loss, "n_loss_tokens": n_tokens, "n_packs": len(ids)}))
+        records, loss = validation_records(step, results, self.best_source)
         if self.keep_best and loss < self.best:
             self.best = loss
             checkpointer.save(step, kind="best", extra_meta={"validation_loss": loss})
-            record["best"] = True
-        return [record]
+            records[-1]["best"] = True
+        return records
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module) -> tuple[float, int]:
+    def evaluate(self, model: torch.nn.Module, dataset, ids: np.ndarray) -> tuple[float, int]:
         rank, world = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
-        mine = self.ids[rank::world]
-        per_rank = -(-len(self.ids) // world)
+        mine = ids[rank::world]
+        per_rank = -(-len(ids) // world)
         device = next(model.parameters()).device
         sums = comm.zeros(2)
         for start in range(0, per_rank, self.per_device):
             picks = range(start, min(start + self.per_device, per_rank))
-            packs = [self.dataset[int(mine[j] if j < len(mine) else self.ids[0])] for j in picks]
+            packs = [dataset[int(mine[j] if j < len(mine) else ids[0])] for j in picks]
             mb = self.collate(packs, [0] * len(packs))
             for row, j in enumerate(picks):
                 if j >= len(mine):  # padding forward: same shapes, no loss

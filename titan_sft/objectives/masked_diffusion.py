@@ -34,7 +34,7 @@ import torch.distributed as dist
 from titan_sft.config import ConfigError, JobConfig
 from titan_sft.diffusion_sampler import GenerationValidator, end_token_ids
 from titan_sft.loss import chunked_cross_entropy_sum
-from titan_sft.objectives import BatchError, Objective, Validator, Validators
+from titan_sft.objectives import BatchError, Objective, Validator, Validators, validation_records
 from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 
@@ -266,7 +266,7 @@ class MaskedDiffusion(Objective):
     def build_validator(self, model: torch.nn.Module) -> Validator | None:
         v = self.cfg.validation
         validators: list[Validator] = []
-        if v.path or v.holdout_fraction or v.test_path:
+        if v.path or v.holdout_fraction or v.test_path or v.sources:
             validators.append(DenoisingValidator(self))
         if v.generation_eval_path and v.generation_every:
             validators.append(GenerationValidator(self, model))
@@ -284,21 +284,22 @@ class DenoisingValidator(Validator):
     """
 
     def __init__(self, objective: MaskedDiffusion):
+        from titan_sft.config import validation_sets
         from titan_sft.data.dataset import PackedDataset, PackSubset
         from titan_sft.data.sampler import holdout_split
 
         cfg = objective.cfg
         v = cfg.validation
         self.objective, self.cfg = objective, cfg
-        if v.path:
-            self.validation = PackedDataset(v.path)
-        elif v.holdout_fraction:  # the packs the sampler keeps out of training
+        # (source name or None, dataset, weight) per held-out set: validation.path, validation.sources, or the
+        # packs the sampler keeps out of training (holdout_fraction)
+        self.validations = [(name, PackedDataset(path), weight) for name, path, weight in validation_sets(cfg)]
+        if not self.validations and v.holdout_fraction:
             held = holdout_split(len(PackedDataset(cfg.data.path)), v.holdout_fraction, v.holdout_seed)[1]
-            self.validation = PackSubset(PackedDataset(cfg.data.path), held)
-        else:
-            self.validation = None
+            self.validations = [(None, PackSubset(PackedDataset(cfg.data.path), held), 1.0)]
+        self.best_source = v.best_source
         self.test = PackedDataset(v.test_path) if v.test_path else None
-        self.interval, self.keep_best = v.interval, v.keep_best and self.validation is not None
+        self.interval, self.keep_best = v.interval, v.keep_best and bool(self.validations)
         self.per_device = v.batch_size or cfg.training.per_device_batch
         self.max_packs = v.max_packs
         self.best = None  # best validation loss so far (read back from checkpoints-best on resume)
@@ -316,14 +317,16 @@ class DenoisingValidator(Validator):
     def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
         last = step == total_steps
         records = []
-        if self.validation is not None and (last or (self.interval and step % self.interval == 0)):
-            rec = {"split": "validation", "step": step, **self.evaluate(model, self.validation, VALIDATION_STREAM)}
+        if self.validations and (last or (self.interval and step % self.interval == 0)):
+            results = [(name, weight, self.evaluate(model, ds, VALIDATION_STREAM))
+                       for name, ds, weight in self.validations]
+            recs, loss = validation_records(step, results, self.best_source)
             self.rounds += 1
-            if self.keep_best and rec["loss"] < self._best_so_far():
-                self.best = rec["loss"]
-                checkpointer.save(step, kind="best", extra_meta={"validation_loss": rec["loss"]})
-                rec["best"] = True
-            records.append(rec)
+            if self.keep_best and loss < self._best_so_far():
+                self.best = loss
+                checkpointer.save(step, kind="best", extra_meta={"validation_loss": loss})
+                recs[-1]["best"] = True
+            records.extend(recs)
         if last and self.test is not None:
             weights = "final"
             if self.keep_best:
