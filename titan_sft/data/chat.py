@@ -23,7 +23,19 @@ import numpy as np
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class Conversation(list):
+    """A conversation's messages, and the ``tools`` (function schemas) its template renders, if any."""
+
+    tools: list | None = None
+
+
+def _needs_template(conversation) -> bool:
+    """Tool schemas, tool calls and tool results render through the Jinja template (render_qwen3 has none)."""
+    return bool(getattr(conversation, "tools", None)) or any(
+        "tool_calls" in m or m.get("role") == "tool" for m in conversation)
 
 
 class BadRow(ValueError):
@@ -145,13 +157,30 @@ def resolve_template(tokenizer_template: str | None, override_file: str | None =
     )
 
 
-def validate_conversation(row: Any) -> list[dict[str, Any]]:
-    """Checks one parsed JSON row and returns its messages; raises :class:`BadRow` naming the problem."""
+def _check_tool_calls(i: int, calls: Any) -> None:
+    if not isinstance(calls, list) or not calls:
+        raise BadRow(f"message {i} 'tool_calls' must be a non-empty list")
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRow(f"message {i} tool call {j} needs a function name ({{'function': {{'name': ..., "
+                         f"'arguments': ...}}}})")
+        if not isinstance(fn.get("arguments", {}), (dict, str)):
+            raise BadRow(f"message {i} tool call {j} arguments must be an object or a JSON string")
+
+
+def validate_conversation(row: Any) -> Conversation:
+    """Checks one parsed JSON row and returns its messages (with the row's ``tools``); raises :class:`BadRow`
+    naming the problem. Assistant turns may carry ``tool_calls`` (OpenAI/Qwen3 format: ``{"type": "function",
+    "function": {"name", "arguments"}}``) with empty content; ``tool`` messages carry the results."""
     if not isinstance(row, dict) or "messages" not in row:
         raise BadRow("no 'messages' list")
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadRow("'messages' must be a non-empty list")
+    tools = row.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise BadRow("'tools' must be a list of function schemas (objects)")
     has_assistant = False
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -160,15 +189,22 @@ def validate_conversation(row: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise BadRow(f"message {i} has unknown role {role!r} (allowed: {', '.join(ROLES)})")
         content = m.get("content")
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls is not None:
+            _check_tool_calls(i, calls)
+            if content is None:
+                m["content"] = content = ""
         if not isinstance(content, str):
             raise BadRow(f"message {i} content must be a string")
         if role == "assistant":
-            if not content.strip() and not (m.get("reasoning_content") or "").strip():
+            if not content.strip() and not (m.get("reasoning_content") or "").strip() and not calls:
                 raise BadRow(f"message {i} (assistant) has empty content")
             has_assistant = True
     if not has_assistant:
         raise BadRow("no assistant turn")
-    return messages
+    conversation = Conversation(messages)
+    conversation.tools = tools or None
+    return conversation
 
 
 class ChatEncoder:
@@ -181,17 +217,22 @@ class ChatEncoder:
         self.special_tokens = special_tokens
 
     def render(self, conversations: list[list[dict]]) -> tuple[list[str], list[list[tuple[int, int]]]]:
-        if self.qwen3 and not any("tool_calls" in m for c in conversations for m in c):
+        if self.qwen3 and not any(_needs_template(c) for c in conversations):
             rendered = [render_qwen3(c) for c in conversations]
             return [t for t, _ in rendered], [s for _, s in rendered]
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        texts, spans = render_jinja_template(
-            conversations=conversations,
-            chat_template=self.template,
-            return_assistant_tokens_mask=True,
-            **self.special_tokens,
-        )
+        def render(batch, tools=None):
+            return render_jinja_template(conversations=[list(c) for c in batch], chat_template=self.template,
+                                         return_assistant_tokens_mask=True, tools=tools, **self.special_tokens)
+
+        if not any(getattr(c, "tools", None) for c in conversations):
+            return render(conversations)
+        texts, spans = [], []
+        for c in conversations:  # each conversation's own tool schemas
+            t, sp = render([c], getattr(c, "tools", None))
+            texts += t
+            spans += sp
         return texts, spans
 
     def encode(self, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -226,7 +267,7 @@ def encoder_for(tokenizer: Any, chat_template_file: str | None = None) -> tuple[
     return ChatEncoder(resolved.template, tokenizer.backend_tokenizer, special, resolved.qwen3), resolved
 
 
-def parse_line(line: str) -> list[dict[str, Any]]:
+def parse_line(line: str) -> Conversation:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
