@@ -235,9 +235,13 @@ class ChatEncoder:
             spans += sp
         return texts, spans
 
-    def encode(self, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """[(ids int32 [n], mask uint8 [n])] per conversation."""
+    def encode(self, conversations: list[list[dict]], keep_from: list[int] | None = None
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """[(ids int32 [n], mask uint8 [n])] per conversation. ``keep_from[c]``: conversation c's loss mask covers
+        its assistant spans from that index on (the earlier ones are context, as in a split conversation)."""
         texts, spans = self.render(conversations)
+        if keep_from is not None:
+            spans = [sp[k:] for sp, k in zip(spans, keep_from)]
         encodings = self.tok.encode_batch(texts, add_special_tokens=False)
         out = []
         for enc, conv_spans in zip(encodings, spans):
@@ -265,6 +269,60 @@ def encoder_for(tokenizer: Any, chat_template_file: str | None = None) -> tuple[
     resolved = resolve_template(getattr(tokenizer, "chat_template", None), chat_template_file)
     special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
     return ChatEncoder(resolved.template, tokenizer.backend_tokenizer, special, resolved.qwen3), resolved
+
+
+def split_conversation(conversation: Conversation, encoder: "ChatEncoder", seq_len: int, max_history: int = -1
+                       ) -> list[tuple[np.ndarray, np.ndarray, bool]]:
+    """An over-long conversation as several documents that fit ``seq_len``, cut at assistant-turn boundaries.
+
+    The conversation's turns are segments, each ending with an assistant message (what comes before it: user
+    turns, tool results). Documents take consecutive segments while they fit; each later document starts with
+    the system message and the preceding segments that still fit (at most ``max_history`` of them; -1: as many as
+    fit) as context, whose assistant turns carry no loss there: every assistant turn is trained in exactly one
+    document. Returns (ids, mask, truncated) per document; a single segment too long even without history is cut
+    at ``seq_len`` (truncated True), keeping what of its answer fits.
+    """
+    system = [m for m in conversation[:1] if m["role"] == "system"]
+    body = conversation[len(system):]
+    segments, cur = [], []
+    for m in body:
+        cur.append(m)
+        if m["role"] == "assistant":
+            segments.append(cur)
+            cur = []
+    # Messages after the last assistant turn carry no loss: they are dropped.
+
+    def render(history: list[list[dict]], new: list[list[dict]]):
+        conv = Conversation(system + [m for seg in history + new for m in seg])
+        conv.tools = conversation.tools
+        n_context = sum(1 for seg in history for m in seg if m["role"] == "assistant")
+        return encoder.encode([conv], keep_from=[n_context])[0]
+
+    docs, i = [], 0
+    while i < len(segments):
+        # The history: the segments just before i that fit beside segment i (most recent first).
+        history: list[list[dict]] = []
+        for j in range(i - 1, -1, -1):
+            if 0 <= max_history <= len(history):
+                break
+            if len(render([segments[j]] + history, [segments[i]])[0]) > seq_len:
+                break
+            history.insert(0, segments[j])
+        ids, mask = render(history, [segments[i]])
+        if len(ids) > seq_len:  # one segment alone is too long: keep what fits
+            docs.append((ids[:seq_len], mask[:seq_len], True))
+            i += 1
+            continue
+        k = i + 1
+        while k < len(segments):
+            more = render(history, segments[i : k + 1])
+            if len(more[0]) > seq_len:
+                break
+            ids, mask = more
+            k += 1
+        docs.append((ids, mask, False))
+        i = k
+    return docs
 
 
 def parse_line(line: str) -> Conversation:

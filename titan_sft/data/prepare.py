@@ -25,7 +25,8 @@ from typing import Iterator
 import numpy as np
 
 from titan_sft.data import cache
-from titan_sft.data.chat import BadRow, ChatEncoder, encoder_for, load_tokenizer, parse_line, tokenizer_sha256
+from titan_sft.data.chat import (BadRow, ChatEncoder, encoder_for, load_tokenizer, parse_line, split_conversation,
+                                 tokenizer_sha256)
 from titan_sft.data.sources import SourceError, iter_rows, open_sources
 
 FORMAT_VERSION = 1
@@ -48,10 +49,24 @@ def _batches(lines: Iterator, size: int) -> Iterator[list]:
 
 
 _ENCODER: ChatEncoder | None = None
+_SPLIT: tuple[int, int] | None = None  # (seq_len, max history segments) with --overlength split
 
 
 def _encode_batch(batch: list[tuple[str, int, str]]) -> list[tuple]:
-    """Worker: ('ok', ids, mask) or ('bad', file, line, reason) per input line, in order."""
+    """Worker: ('ok', ids, mask, file, line) or ('bad', file, line, reason) per input line, in order; with
+    ``--overlength split`` an over-long conversation gives ('split', [(ids, mask, truncated), ...], file, line)."""
+    out = _encode_lines(batch)
+    if _SPLIT is None:
+        return out
+    seq_len, history = _SPLIT
+    for k, res in enumerate(out):
+        if res[0] == "ok" and len(res[1]) > seq_len:
+            messages = parse_line(batch[k][2])
+            out[k] = ("split", split_conversation(messages, _ENCODER, seq_len, history), res[3], res[4])
+    return out
+
+
+def _encode_lines(batch: list[tuple[str, int, str]]) -> list[tuple]:
     good, out = [], []
     for file, lineno, line in batch:
         try:
@@ -84,6 +99,8 @@ class Stats:
     truncated: int = 0
     dropped_overlength: int = 0
     dropped_no_loss: int = 0
+    split: int = 0  # over-long conversations split at assistant turns (--overlength split)
+    split_documents: int = 0  # the documents they became
     first_bad: list = field(default_factory=list)
     first_no_loss: list = field(default_factory=list)
 
@@ -158,10 +175,13 @@ def prepare(
     progress: bool = True,
     max_rows: int = 0,
     cache_dir: str | None = None,
+    split_history: int = -1,
 ) -> dict:
     """Runs the whole job; returns the manifest. Raises :class:`PrepareError` with one clear message.
 
     ``inputs`` are input specs (:mod:`titan_sft.data.sources`); ``max_rows`` keeps the first rows only (0: all);
+    ``overlength = "split"`` cuts over-long conversations at assistant turns (``chat.split_conversation``, at most
+    ``split_history`` earlier turns of context, -1: as many as fit);
     with ``cache_dir`` the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`).
     """
     if seq_len < 2:
@@ -173,6 +193,8 @@ def prepare(
         raise PrepareError(f"{out_dir} already exists; choose another --out or pass --overwrite")
     if max_rows < 0:
         raise PrepareError(f"--max-rows must be 0 (all) or positive, got {max_rows}")
+    if overlength not in ("truncate", "drop", "split"):
+        raise PrepareError(f"--overlength must be truncate, drop or split, got {overlength!r}")
     sources = open_input(inputs)
     try:
         tokenizer = load_tokenizer(tokenizer_path)
@@ -190,7 +212,7 @@ def prepare(
     key = {"mode": "causal", "format_version": FORMAT_VERSION, "inputs": [s.identity for s in sources],
            "tokenizer_sha256": tok_hash, "chat_template_sha256": resolved.sha256, "seq_len": seq_len,
            "packing": packing, "overlength": overlength, "on_bad_row": on_bad_row, "max_docs_per_pack": max_docs_per_pack,
-           "max_rows": max_rows, "pad_id": pad_id}
+           "max_rows": max_rows, "pad_id": pad_id, "split_history": split_history}
     target = out_dir
     if cache_dir:
         target, hit = cache.lookup(cache_dir, key)
@@ -206,7 +228,7 @@ def prepare(
     try:
         manifest = _prepare_into(
             tmp, sources, max_rows, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs_per_pack,
-            progress, log
+            progress, log, split_history
         )
         manifest.update(
             tokenizer=str(tokenizer_path),
@@ -251,9 +273,10 @@ def _fill_padding(tokens: np.ndarray, used: np.ndarray, pad_id: int) -> None:
 
 
 def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength, on_bad_row, workers, max_docs,
-                  progress, log):
-    global _ENCODER
+                  progress, log, split_history=-1):
+    global _ENCODER, _SPLIT
     _ENCODER = encoder
+    _SPLIT = (seq_len, split_history) if overlength == "split" else None
     stats = Stats()
     bar = Progress(progress)
     lens: list[int] = []
@@ -274,6 +297,21 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
                     stats.bad_rows += 1
                     if len(stats.first_bad) < 20:
                         stats.first_bad.append(f"{file}:{lineno}: {reason}")
+                    continue
+                if res[0] == "split":
+                    _, docs, file, lineno = res
+                    stats.conversations += 1
+                    stats.split += 1
+                    for ids, mask, truncated in docs:
+                        if not mask[1:].any():
+                            continue  # a context-only piece (its turns were trained elsewhere) or nothing left
+                        stats.split_documents += 1
+                        stats.truncated += truncated
+                        stats.tokens += len(ids)
+                        tok_f.write(ids.tobytes())
+                        mask_f.write(mask.tobytes())
+                        lens.append(len(ids))
+                        kept.append((file_index[file], lineno))
                     continue
                 _, ids, mask, file, lineno = res
                 stats.conversations += 1
@@ -362,7 +400,8 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
         "packing_efficiency": round(1.0 - padding_fraction, 6),
         "overlength": {"policy": overlength, "truncated": stats.truncated,
                        "dropped": stats.dropped_overlength, "dropped_no_loss_after_truncation": stats.dropped_no_loss,
-                       "first_dropped_no_loss": stats.first_no_loss},
+                       "first_dropped_no_loss": stats.first_no_loss, "split": stats.split,
+                       "split_documents": stats.split_documents},
         "input_files": [s.label for s in sources],
         "bad_rows": {"policy": on_bad_row, "skipped": stats.bad_rows, "first": stats.first_bad},
         "tokens_dtype": "int32",
@@ -381,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {%% generation %%} markers")
     ap.add_argument("--packing", choices=["greedy", "bfd"], default="greedy")
-    ap.add_argument("--overlength", choices=["truncate", "drop"], default="truncate")
+    ap.add_argument("--overlength", choices=["truncate", "drop", "split"], default="truncate",
+                    help="a conversation longer than --seq-len: cut it, drop it, or split it at assistant turns into "
+                         "documents that fit, each with the earlier turns that fit as context (no loss there)")
+    ap.add_argument("--split-history", type=int, default=-1,
+                    help="with --overlength split: earlier assistant turns carried as context at most (-1: all that fit)")
     ap.add_argument("--on-bad-row", choices=["error", "skip"], default="error")
     ap.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     ap.add_argument("--max-docs-per-pack", type=int, default=64)
@@ -396,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         m = prepare(a.input, a.tokenizer, a.seq_len, a.out, a.chat_template, a.packing, a.overlength,
                     a.on_bad_row, a.workers, a.max_docs_per_pack, a.overwrite, progress=not a.quiet,
-                    max_rows=a.max_rows, cache_dir=a.cache_dir)
+                    max_rows=a.max_rows, cache_dir=a.cache_dir, split_history=a.split_history)
     except PrepareError as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
