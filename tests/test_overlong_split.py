@@ -64,3 +64,22 @@ def test_split_documents_fit_keep_every_turn_once_and_their_history_budget(tmp_p
         if p > 0 and history != 0 and p < m["overlength"]["split_documents"]:
             assert context_turns >= 1  # later pieces carry earlier turns as context
     assert sorted(trained) == sorted(rows[0][1] + rows[1][1])  # every assistant turn exactly once
+
+
+def test_sharded_prepare_output_reads_identically_to_unsharded(tmp_path):
+    from titan_sft.data.dataset import PackedDataset
+    from titan_sft.data.prepare import prepare
+
+    src = tmp_path / "rows.jsonl"
+    src.write_text("\n".join((ROOT / "titan_sft/assets/debug_data/train.jsonl").read_text().splitlines()[:700]))
+    one = prepare([str(src)], DEBUG_TOK, 128, str(tmp_path / "one"), workers=1, progress=False)
+    many = prepare([str(src)], DEBUG_TOK, 128, str(tmp_path / "many"), workers=2, progress=False, shard_packs=37)
+    assert len(many["shards"]) == -(-one["n_packs"] // 37) and (tmp_path / "many" / "shard-00000" / "tokens.npy").is_file()
+    a, b = PackedDataset(tmp_path / "one"), PackedDataset(tmp_path / "many")
+    assert len(a) == len(b) == one["n_packs"]
+    for i in range(len(a)):
+        for x, y in zip(a[i], b[i]):
+            assert np.array_equal(x, y), i
+    for attr in ("doc_lens", "pack_offsets", "assistant_counts", "used"):
+        assert np.array_equal(getattr(a, attr), getattr(b, attr)), attr
+    assert a.describe_sources([0, len(a) - 1]) == b.describe_sources([0, len(b) - 1])

@@ -41,6 +41,10 @@ class PackedDataset:
         if m.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
             raise DatasetError(f"{mpath}: format_version {m['format_version']}, this titan_sft reads {FORMAT_VERSION}")
         self.reference_format = "format_version" not in m  # written by the reference pipeline
+        self.shards = None
+        if "shards" in m:
+            self._open_shards(m)
+            return
         if "n_packs" not in m:
             try:  # the reference format: the packs are the rows of tokens.npy
                 m["n_packs"] = int(np.load(self.path / "tokens.npy", mmap_mode="r").shape[0])
@@ -94,10 +98,35 @@ class PackedDataset:
         self.used = used
         self.seq_len = L
 
+    def _open_shards(self, m: dict) -> None:
+        """A sharded dataset (prepare --shard-packs): each ``shard-<k>/`` a packed dataset, memory-mapped; the
+        per-document arrays are concatenated (small), packs are read from their shard."""
+        self.shards = [PackedDataset(self.path / name) for name in m["shards"]]
+        for sh in self.shards:
+            if sh.seq_len != m["max_seq_len"] or (sh.answer_lens is None) != (self.shards[0].answer_lens is None):
+                raise DatasetError(f"{sh.path}: its rows or kind differ from {self.path}/manifest.json")
+        sizes = [len(sh) for sh in self.shards]
+        if sum(sizes) != m["n_packs"]:
+            raise DatasetError(f"{self.path / 'manifest.json'}: n_packs {m['n_packs']}, its shards hold {sum(sizes)}")
+        self.shard_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        docs = np.concatenate([[0], np.cumsum([len(sh.doc_lens) for sh in self.shards])]).astype(np.int64)
+        self.seq_len = m["max_seq_len"]
+        self.doc_lens = np.concatenate([sh.doc_lens for sh in self.shards])
+        self.pack_offsets = np.concatenate([sh.pack_offsets[:-1] + d for sh, d in zip(self.shards, docs)] + [docs[-1:]])
+        self.assistant_counts = np.concatenate([sh.assistant_counts for sh in self.shards])
+        self.used = np.concatenate([sh.used for sh in self.shards])
+        has = lambda attr: all(getattr(sh, attr) is not None for sh in self.shards)  # noqa: E731
+        self.answer_lens = np.concatenate([sh.answer_lens for sh in self.shards]) if has("answer_lens") else None
+        self.doc_sources = np.concatenate([np.asarray(sh.doc_sources) for sh in self.shards]) if has("doc_sources") \
+            else None
+
     def __len__(self) -> int:
         return int(self.manifest["n_packs"])
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
+        if self.shards is not None:
+            k = int(np.searchsorted(self.shard_starts, i, side="right") - 1)
+            return self.shards[k][int(i - self.shard_starts[k])]
         lo, hi = self.pack_offsets[i], self.pack_offsets[i + 1]
         pack = np.asarray(self.tokens[i]), np.asarray(self.assistant_mask[i]), self.doc_lens[lo:hi]
         return pack if self.answer_lens is None else (*pack, self.answer_lens[lo:hi])

@@ -176,12 +176,14 @@ def prepare(
     max_rows: int = 0,
     cache_dir: str | None = None,
     split_history: int = -1,
+    shard_packs: int = 0,
 ) -> dict:
     """Runs the whole job; returns the manifest. Raises :class:`PrepareError` with one clear message.
 
     ``inputs`` are input specs (:mod:`titan_sft.data.sources`); ``max_rows`` keeps the first rows only (0: all);
     ``overlength = "split"`` cuts over-long conversations at assistant turns (``chat.split_conversation``, at most
-    ``split_history`` earlier turns of context, -1: as many as fit);
+    ``split_history`` earlier turns of context, -1: as many as fit); ``shard_packs`` > 0 writes the packs as
+    ``shard-00000/``, ... of that many packs each (the reader concatenates them);
     with ``cache_dir`` the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`).
     """
     if seq_len < 2:
@@ -193,6 +195,8 @@ def prepare(
         raise PrepareError(f"{out_dir} already exists; choose another --out or pass --overwrite")
     if max_rows < 0:
         raise PrepareError(f"--max-rows must be 0 (all) or positive, got {max_rows}")
+    if shard_packs < 0:
+        raise PrepareError(f"--shard-packs must be 0 (one directory) or positive, got {shard_packs}")
     if overlength not in ("truncate", "drop", "split"):
         raise PrepareError(f"--overlength must be truncate, drop or split, got {overlength!r}")
     sources = open_input(inputs)
@@ -212,7 +216,7 @@ def prepare(
     key = {"mode": "causal", "format_version": FORMAT_VERSION, "inputs": [s.identity for s in sources],
            "tokenizer_sha256": tok_hash, "chat_template_sha256": resolved.sha256, "seq_len": seq_len,
            "packing": packing, "overlength": overlength, "on_bad_row": on_bad_row, "max_docs_per_pack": max_docs_per_pack,
-           "max_rows": max_rows, "pad_id": pad_id, "split_history": split_history}
+           "max_rows": max_rows, "pad_id": pad_id, "split_history": split_history, "shard_packs": shard_packs}
     target = out_dir
     if cache_dir:
         target, hit = cache.lookup(cache_dir, key)
@@ -246,6 +250,8 @@ def prepare(
             tokens.flush()
             del tokens
         manifest.pop("_fill")
+        if shard_packs:
+            _split_into_shards(tmp, manifest, shard_packs)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if cache_dir:
             cache.write_key(tmp, key)
@@ -265,6 +271,40 @@ def open_input(specs: list[str]):
         return open_sources(specs)
     except SourceError as e:
         raise PrepareError(str(e)) from None
+
+
+SHARD_ARRAYS = ("tokens.npy", "assistant_mask.npy", "doc_lens.npy", "doc_sources.npy", "pack_offsets.npy",
+                "assistant_counts.npy")
+
+
+def _split_into_shards(tmp: Path, manifest: dict, shard_packs: int) -> None:
+    """Moves the finished arrays of ``tmp`` into ``shard-<k>/`` directories of ``shard_packs`` packs each, every one
+    a packed dataset of its own (with its documents, offsets from 0 and a manifest); ``manifest`` gets their names.
+    The arrays are copied from memory maps slice by slice, so no shard is built in memory whole."""
+    arr = {name: np.load(tmp / name, mmap_mode="r") for name in SHARD_ARRAYS}
+    P, offsets = manifest["n_packs"], np.asarray(arr["pack_offsets.npy"])
+    carried = {k: manifest[k] for k in ("format_version", "max_seq_len", "tokenizer", "tokenizer_sha256",
+                                        "chat_template_sha256", "vocab_size", "eos_id", "pad_id", "input_files")
+               if k in manifest}
+    names = []
+    for k, a in enumerate(range(0, P, shard_packs)):
+        b = min(a + shard_packs, P)
+        d0, d1 = int(offsets[a]), int(offsets[b])
+        out = tmp / f"shard-{k:05d}"
+        out.mkdir()
+        for name in ("tokens.npy", "assistant_mask.npy", "assistant_counts.npy"):
+            np.save(out / name, arr[name][a:b])
+        for name in ("doc_lens.npy", "doc_sources.npy"):
+            np.save(out / name, arr[name][d0:d1])
+        np.save(out / "pack_offsets.npy", offsets[a : b + 1] - d0)
+        doc_lens = np.asarray(arr["doc_lens.npy"][d0:d1])
+        (out / "manifest.json").write_text(json.dumps({**carried, "n_packs": b - a, "n_documents": d1 - d0,
+                                                       "n_tokens": int(doc_lens.sum()), "shard": k}, indent=2) + "\n")
+        names.append(out.name)
+    del arr
+    for name in SHARD_ARRAYS:
+        os.remove(tmp / name)
+    manifest["shards"] = names
 
 
 def _fill_padding(tokens: np.ndarray, used: np.ndarray, pad_id: int) -> None:
@@ -430,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-docs-per-pack", type=int, default=64)
     ap.add_argument("--overwrite", action="store_true")
     ap.add_argument("--max-rows", type=int, default=0, help="use only the first N input rows (0: all)")
+    ap.add_argument("--shard-packs", type=int, default=0,
+                    help="write shard-00000/, ... of this many packs each, read as one dataset (0: one directory)")
     ap.add_argument("--cache-dir", default=os.environ.get("TITAN_SFT_DATA_CACHE"),
                     help="reuse / keep prepared datasets here, keyed by inputs, tokenizer, template and options "
                          "(default: $TITAN_SFT_DATA_CACHE; unset: no cache)")
@@ -439,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         m = prepare(a.input, a.tokenizer, a.seq_len, a.out, a.chat_template, a.packing, a.overlength,
                     a.on_bad_row, a.workers, a.max_docs_per_pack, a.overwrite, progress=not a.quiet,
-                    max_rows=a.max_rows, cache_dir=a.cache_dir, split_history=a.split_history)
+                    max_rows=a.max_rows, cache_dir=a.cache_dir, split_history=a.split_history,
+                    shard_packs=a.shard_packs)
     except PrepareError as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
