@@ -164,8 +164,8 @@ def _close(a, b, keys=("loss", "grad_norm", "aux_loss"), rel=1e-5):
 
 @pytest.mark.slow
 def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
-    """EP 2, EP 2 x FSDP 2 (experts sharded over the ep ranks, FSDP over the ranks holding the same experts) and EP 2
-    with full AC:
+    """EP 2, EP 2 x FSDP 2 (experts sharded over the ep ranks, FSDP over the ranks holding the same experts) and
+    TP 2 x EP 2 with full AC (attention and the dense layer split by tp, the MoE replicated over tp):
     losses, grad norms and aux losses of 3 steps within 1e-5 of one rank; an EP 2 checkpoint continues on one
     rank with the curve unchanged; the HF export of an EP run (label 2) equals the 1-rank export."""
     export = ["--checkpoint.hf_export_interval", "2", "--checkpoint.hf_export_dtype", "float32",
@@ -174,8 +174,9 @@ def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
     ep2 = _train(2, tmp_path / "ep2", *export, "--parallelism.ep", "2", "--training.stop_at_step", "3", steps=6)
     ep2x2 = _train(4, tmp_path / "ep2x2", *export, "--parallelism.ep", "2", "--training.stop_at_step", "3",
                    steps=6)
-    ep2_ac = _train(2, tmp_path / "ep2_ac", "--parallelism.ep", "2", "--training.activation_checkpoint", "full")
-    for run in (ep2, ep2x2, ep2_ac):
+    tp2ep2 = _train(4, tmp_path / "tp2ep2", "--parallelism.ep", "2", "--parallelism.tp", "2",
+                    "--training.activation_checkpoint", "full")
+    for run in (ep2, ep2x2, tp2ep2):
         assert [r["step"] for r in run] == [1, 2, 3]
         for a, b in zip(run, one):
             _close(a, b)
@@ -191,7 +192,7 @@ def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
 
 
 def test_impossible_expert_parallel_layouts_fail_with_one_line():
-    from titan_sft.config import ConfigError, check_expert_parallel, check_layout, check_tensor_parallel, load_config
+    from titan_sft.config import ConfigError, check_expert_parallel, check_layout, load_config
 
     with pytest.raises(ConfigError, match="'parallelism.ep': 3 must be a positive divisor of the FSDP shards"):
         check_layout(load_config(None, ["--parallelism.ep", "3"]), 4)
@@ -200,8 +201,6 @@ def test_impossible_expert_parallel_layouts_fail_with_one_line():
     with pytest.raises(ConfigError, match="has no routed experts"):
         check_expert_parallel(2, 0)
     assert check_layout(load_config(None, ["--parallelism.ep", "2"]), 4) == (1, 4, 1, 2)
-    with pytest.raises(ConfigError, match="tensor parallel of models with routed experts .* not implemented yet"):
-        check_tensor_parallel(2, 4, 2, 256, n_experts=8)
     with pytest.raises(ConfigError, match="'training.compile': true is not supported yet"):
         check_expert_parallel(1, 8, compile=True)
 

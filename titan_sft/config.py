@@ -681,13 +681,10 @@ def check_expert_parallel(ep: int, n_experts: int, compile: bool = False) -> Non
         raise ConfigError(f"config key 'parallelism.ep': {ep} must divide the model's {n_experts} experts")
 
 
-def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int, n_experts: int = 0) -> None:
+def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:
     """Tensor parallel splits heads and (sequence parallel) the packed rows evenly across the tp ranks."""
     if tp == 1:
         return
-    if n_experts:
-        raise ConfigError(f"config key 'parallelism.tp': {tp}, but tensor parallel of models with routed experts "
-                          f"(here {n_experts} experts) is not implemented yet; use tp = 1 (FSDP)")
     if n_heads % tp or n_kv_heads % tp:
         raise ConfigError(f"config key 'parallelism.tp': {tp} must divide the model's attention heads ({n_heads}) "
                           f"and key/value heads ({n_kv_heads})")

@@ -185,7 +185,7 @@ def dry_run(cfg: JobConfig) -> str:
         cadence = f"checkpoints every {c.interval}; HF export every {c.hf_export_interval}, dtype {c.hf_export_dtype}"
     world = planned_world_size(cfg)
     dp_rep, dp_shard, tp, ep = check_layout(cfg, world)
-    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp, args.n_experts)
+    check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
     check_expert_parallel(ep, args.n_experts, cfg.training.compile)
     plan = spec.tp_plan_fn()
     mem = memory_per_rank(model, plan, dp_shard, tp, 2 if cfg.training.param_dtype == "bfloat16" else 4)
@@ -196,7 +196,7 @@ def dry_run(cfg: JobConfig) -> str:
         f"{' (WORLD_SIZE)' if 'WORLD_SIZE' in os.environ else ''}; each rank takes "
         f"{B // (dp_rep * dp_shard)} packed examples per step in microbatches of {cfg.training.per_device_batch}",
         *(["tensor-parallel plan (sequence parallel between blocks, loss parallel on the vocab-split head):",
-           *describe_plan(plan)] if tp > 1 else []),
+           *describe_plan(plan, args.moe_layers())] if tp > 1 else []),
         f"memory per rank: parameters {mem['params'] / GIB:.2f} GiB, gradients {mem['grads'] / GIB:.2f} GiB, "
         f"AdamW state {mem['optimizer'] / GIB:.2f} GiB (fp32, sharded)"
         + (f"; grad_reduce last_microbatch adds {mem['deferred_grads'] / GIB:.2f} GiB of unsharded gradients "

@@ -72,7 +72,7 @@ class Trainer:
         tokenizer = self._tokenizer()
         check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
         self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
-        check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len, self.args.n_experts)
+        check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
         check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile)
         with torch.device("meta"):
             model = spec.model_cls(self.args)

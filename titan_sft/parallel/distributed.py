@@ -145,14 +145,29 @@ def init_sharded(model: torch.nn.Module, reference: torch.nn.Module, device: tor
         part.to_empty(device=device)  # shapes on every rank; the numbers come from rank 0
         if rank == 0:
             init(part)
-        for key, full in part.named_parameters():
-            target = params[f"{name}.{key}"]
+        targets = [(full, params[f"{name}.{key}"]) for key, full in part.named_parameters()]
+        # A DTensor scatters from its mesh's first rank. A mesh without rank 0 (one tp rank's FSDP mesh, where
+        # routed experts are replicated across tp) needs the numbers first: then the whole part is broadcast and
+        # every rank cuts its own shard.
+        outside = any(isinstance(t, DTensor) and rank0_missing(t.device_mesh) for _, t in targets)
+        outside = dist.is_initialized() and bool(comm.all_reduce(
+            comm.tensor(float(outside)), dist.ReduceOp.MAX, what="random init").item())  # the same on every rank
+        if outside:
+            for full, _ in targets:
+                comm.broadcast(full.detach(), 0, what="random init")
+        for full, target in targets:
             if isinstance(target, DTensor):
-                shard = distribute_tensor(full.detach(), target.device_mesh, target.placements, src_data_rank=0)
+                shard = distribute_tensor(full.detach(), target.device_mesh, target.placements,
+                                          src_data_rank=None if outside else 0)
                 target.to_local().copy_(shard.to_local())
             else:
-                target.copy_(comm.broadcast(full.detach(), 0, what="random init"))
+                target.copy_(full.detach() if outside else comm.broadcast(full.detach(), 0, what="random init"))
         part.to_empty(device="meta")
+
+
+def rank0_missing(mesh) -> bool:
+    """Whether global rank 0 is not one of ``mesh``'s ranks."""
+    return 0 not in mesh.mesh.flatten().tolist()
 
 
 def shutdown() -> None:
