@@ -61,11 +61,14 @@ def run_prepare(path: Path, out: Path, workers: int) -> tuple[float, float]:
         f"m = prepare([{str(path)!r}], {str(QWEN_DIR)!r}, 4096, {str(out)!r}, workers={workers}, progress=False)\n"
         "dt = time.perf_counter() - t\n"
         "rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-        "print(json.dumps({'tok_s': m['n_tokens'] / dt, 'rss_mib': rss / 1024}))\n"
+        "import sys; print('peak RSS MiB: parent', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, 'largest "
+        "worker', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024, file=sys.stderr)\n"
+        "print(json.dumps({'tok_s': m['n_tokens'] / dt, 'conv_s': m['n_documents'] / dt, 'rss_mib': rss / 1024}))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    print(f"{path.name}: {res.stderr.strip().splitlines()[-1]}")
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    return r["tok_s"], r["rss_mib"]
+    return r["tok_s"], r["rss_mib"], r["conv_s"]
 
 
 def main() -> None:
@@ -80,13 +83,13 @@ def main() -> None:
         make_jsonl(big, a.conversations)
         make_jsonl(small, a.conversations // 10)
         base = baseline(big, a.baseline_sample)
-        tok_small, rss_small = run_prepare(small, d / "out_small", a.workers)
-        tok_big, rss_big = run_prepare(big, d / "out_big", a.workers)
+        tok_small, rss_small, conv_small = run_prepare(small, d / "out_small", a.workers)
+        tok_big, rss_big, conv_big = run_prepare(big, d / "out_big", a.workers)
     print(f"baseline (apply_chat_template + mask, 1 process): {base:,.0f} tokens/s")
     print(f"titan_sft prepare, {a.workers} workers, {a.conversations // 10:,} conversations: {tok_small:,.0f} tokens/s, "
-          f"peak RSS {rss_small:,.0f} MiB")
+          f"{conv_small:,.0f} conversations/s ({conv_small / a.workers:,.0f}/s/worker), peak RSS {rss_small:,.0f} MiB")
     print(f"titan_sft prepare, {a.workers} workers, {a.conversations:,} conversations: {tok_big:,.0f} tokens/s, "
-          f"peak RSS {rss_big:,.0f} MiB")
+          f"{conv_big:,.0f} conversations/s ({conv_big / a.workers:,.0f}/s/worker), peak RSS {rss_big:,.0f} MiB")
     print(f"speed ratio prepare/baseline: {tok_big / base:.1f}x; RSS ratio 10x input / 1x input: {rss_big / rss_small:.2f}")
 
 

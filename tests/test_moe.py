@@ -201,6 +201,8 @@ def test_impossible_expert_parallel_layouts_fail_with_one_line():
     with pytest.raises(ConfigError, match="has no routed experts"):
         check_expert_parallel(2, 0)
     assert check_layout(load_config(None, ["--parallelism.ep", "2"]), 4) == (1, 4, 1, 2)
+    with pytest.raises(ConfigError, match="'lora.experts': true, but the model has no routed experts"):
+        check_expert_parallel(1, 0, lora_experts=True)
     with pytest.raises(ConfigError, match="'training.compile': true is not supported yet"):
         check_expert_parallel(1, 8, compile=True)
 
@@ -297,3 +299,98 @@ def test_lora_on_an_moe_model_loads_in_peft_like_the_merged_export(tmp_path):
     assert (merged_logits - before).abs().max() > 1e-3  # the adapters did train
     start, end = _safetensors(hf), _safetensors(tmp_path / "run" / "hf" / "step-2")
     assert all(torch.equal(start[k], end[k]) for k in start if ".mlp." in k)  # experts, routers, dense MLP frozen
+
+
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_lora_on_the_experts_equals_the_merged_weights(impl):
+    """Stacked per-expert adapters: zero at init (the base model's outputs exactly), and after B moves the model's
+    logits equal those of the base model with W_e + scale * B_e A_e merged in (merge_lora, as the HF export)."""
+    import dataclasses
+
+    from titan_sft.config import load_config
+    from titan_sft.lora import apply_lora, merge_lora
+    from titan_sft.models.qwen3_moe import QWEN3_MOE_FLAVORS
+    from titan_sft.models.transformer import Transformer
+
+    args = dataclasses.replace(QWEN3_MOE_FLAVORS["debug_moe"], moe_impl=impl)
+    torch.manual_seed(0)
+    base = Transformer(args)
+    base.init_weights()
+    model = Transformer(args)
+    model.load_state_dict(base.state_dict())
+    cfg = load_config(None, ["--model.converters", "lora", "--lora.experts", "true", "--lora.rank", "8",
+                             "--lora.targets", "q_proj,gate_proj,down_proj"])
+    names = apply_lora(model, cfg)
+    assert "layers.1.feed_forward.experts.w1" in names and "layers.1.feed_forward.experts.w3" not in names
+    for m in model.modules():
+        if hasattr(m, "reset_converter_parameters"):
+            m.reset_converter_parameters(0)
+    ids = torch.randint(0, args.vocab_size, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(model(ids), base(ids))
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(std=0.05)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert "layers.1.feed_forward.experts.w2_lora_a" in trainable and not any("router" in n for n in trainable)
+        merged = Transformer(args)
+        merged.load_state_dict(merge_lora(model.state_dict(), cfg.lora.alpha / cfg.lora.rank))
+        assert (model(ids) - merged(ids)).abs().max() < 1e-5
+        assert (merged(ids) - base(ids)).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_under_expert_parallel_matches_one_rank_and_exports_merged(tmp_path):
+    """Adapters on attention and on every expert's gate/up/down: EP 2 gives the 1-rank losses and grad norms (1e-5)
+    over 3 steps; the merged HF export equals the 1-rank one and transformers reloads it; the adapter directory keeps the stacked expert adapters beside the PEFT files, read back by warm starts."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_sft.lora import read_peft_adapter, vllm_lora_problems
+
+    lora = ["--model.converters", "lora", "--lora.experts", "true", "--lora.rank", "8", "--optimizer.lr", "1e-2",
+            "--checkpoint.hf_export_interval", "2", "--checkpoint.hf_export_dtype", "float32"]
+    one = _train(1, tmp_path / "one", *lora)
+    ep2 = _train(2, tmp_path / "ep2", *lora, "--parallelism.ep", "2")
+    for a, b in zip(ep2, one):
+        _close(a, b, keys=("loss", "grad_norm"))
+    export = tmp_path / "ep2" / "hf" / "step-2"
+    ours, ref = _safetensors(export), _safetensors(tmp_path / "one" / "hf" / "step-2")
+    assert all(torch.allclose(ours[k], ref[k], rtol=1e-4, atol=1e-5) for k in ref)
+    AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # loads: per-expert names, merged
+    conf, state = read_peft_adapter(tmp_path / "ep2" / "adapters" / "final")
+    assert conf["titan_sft_expert_adapters"] == "expert_adapters.safetensors"
+    assert state["layers.1.feed_forward.experts.w1_lora_b"].shape == (8, 128, 8)  # [experts, out, r]
+    assert state["layers.1.feed_forward.experts.w2_lora_b"].abs().max() > 0  # trained
+    assert any("experts" in p for p in vllm_lora_problems(tmp_path / "ep2" / "adapters" / "final"))
+
+
+def test_float8_for_the_experts_is_gated_and_high_precision_unwraps_it(caplog):
+    """On CPU, float8 converts the block linears (emulated) and leaves the experts in the compute dtype with one
+    notice; experts converted to torchao's float8 training weights (the GPU path) compute, inside
+    high_precision_matmuls (validation, generation), exactly as the unconverted model."""
+    import dataclasses
+    import logging
+
+    from titan_sft.config import load_config
+    from titan_sft.converters import apply_float8_experts, float8_converter, high_precision_matmuls
+    from titan_sft.models.qwen3_moe import QWEN3_MOE_FLAVORS
+    from titan_sft.models.transformer import Transformer
+
+    args = dataclasses.replace(QWEN3_MOE_FLAVORS["debug_moe"], moe_impl="grouped")
+    torch.manual_seed(0)
+    base = Transformer(args)
+    base.init_weights()
+    model = Transformer(args)
+    model.load_state_dict(base.state_dict())
+    cfg = load_config(None, ["--training.float8", "true"])
+    with caplog.at_level(logging.WARNING):
+        float8_converter(model, cfg, torch.device("cpu"))
+    assert "float8 grouped GEMM for the routed experts needs CUDA" in caplog.text
+    assert type(model.layers["1"].feed_forward.experts.w1.data) is torch.Tensor
+    assert type(model.layers["1"].attention.wq).__name__ == "Float8Linear"
+    names = apply_float8_experts(model)
+    assert names[:3] == [f"layers.1.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
+    assert type(model.layers["1"].feed_forward.experts.w1.data).__name__ == "Float8TrainingWeightWrapperTensor"
+    ids = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad(), high_precision_matmuls(model):
+        assert torch.equal(model(ids), base(ids))

@@ -270,6 +270,8 @@ class Lora:
     targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                              "projections given adapters, by HF name")
     train_norms: bool = doc(True, "train the RMSNorm weights too (saved with the adapter)")
+    experts: bool = doc(False, "models with routed experts: also adapt every expert's weights among the targets "
+                               "(gate/up/down_proj), with per-expert factors stored stacked")
     init_from: str = doc("", "warm start: a PEFT LoRA adapter directory (titan_sft's adapters/* or peft's) whose "
                              "adapters (and trained norms) replace the initial ones; its r must equal rank")
 
@@ -548,6 +550,10 @@ def validate(cfg: JobConfig) -> None:
     need(0 <= lo.dropout < 1, "lora.dropout", "0 <= dropout < 1", lo.dropout)
     need(bool(lo.targets) and set(lo.targets) <= set(LORA_TARGETS), "lora.targets",
          f"a non-empty list of {', '.join(LORA_TARGETS)}", lo.targets)
+    need(not lo.experts or bool({"gate_proj", "up_proj", "down_proj"} & set(lo.targets)), "lora.experts",
+         "false unless lora.targets holds an expert weight (gate_proj, up_proj, down_proj)", lo.experts)
+    need(not lo.experts or lo.rank % 8 == 0, "lora.rank", "a multiple of 8 with lora.experts (the grouped GEMM "
+         "needs 16-byte strides: rank 8 in bf16)", lo.rank)
     need(t.te_margin >= 0, "training.te_margin", ">= 0", t.te_margin)
     need(t.te_interval >= 1, "training.te_interval", ">= 1", t.te_interval)
     need(t.te_amax_history_len >= 1, "training.te_amax_history_len", ">= 1", t.te_amax_history_len)
@@ -666,9 +672,11 @@ def validation_sets(cfg: JobConfig) -> list[tuple[str | None, str, float]]:
     return [(x.name, x.path, x.weight or train.get(x.name, 1.0)) for x in v.sources]
 
 
-def check_expert_parallel(ep: int, n_experts: int, compile: bool = False) -> None:
+def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_experts: bool = False) -> None:
     """Expert parallel places n_experts / ep whole experts on each expert-parallel rank; the routed experts'
-    data-dependent shapes do not compile yet."""
+    data-dependent shapes do not compile yet; adapters on experts need a model that has them."""
+    if lora_experts and not n_experts:
+        raise ConfigError("config key 'lora.experts': true, but the model has no routed experts; set it to false")
     if compile and n_experts:
         raise ConfigError("config key 'training.compile': true is not supported yet for models with routed experts "
                           "(the per-expert row counts are data-dependent shapes; torch 2.13's grouped GEMM does not "

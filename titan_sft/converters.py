@@ -26,10 +26,11 @@ def float8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _import_torchao_float8():
-    """torchao's float8 API, imported without the noise of its optional kernels: it logs a warning for every
-    prebuilt extension that does not load here (MX/CUTLASS kernels, unused by float8 training) and registers a
-    pytree constant that torch now flags as deprecated. Errors still get through."""
+@contextlib.contextmanager
+def _quiet_torchao():
+    """Imports torchao without the noise of its optional kernels: it logs a warning for every prebuilt extension
+    that does not load here (MX/CUTLASS kernels, unused by float8 training) and registers a pytree constant that
+    torch now flags as deprecated. Errors still get through."""
     import logging
 
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
@@ -37,11 +38,47 @@ def _import_torchao_float8():
     for lg in quiet:
         lg.setLevel(logging.ERROR)
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        yield
     finally:
         for lg, level in zip(quiet, levels):
             lg.setLevel(level)
+
+
+def _import_torchao_float8():
+    """torchao's float8 linear API (imported quietly)."""
+    with _quiet_torchao():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     return Float8LinearConfig, convert_to_float8_training
+
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def float8_experts_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """torchao's float8 grouped GEMM (row-wise scales) runs on CUDA with compute capability 9.0+, bf16 operands."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16
+
+
+def apply_float8_experts(model: nn.Module) -> list[str]:
+    """The routed experts' stacked weights become torchao's float8 training weights (its ``moe_training``
+    prototype): every ``torch._grouped_mm`` on them quantises both operands row-wise to float8 and runs the
+    scaled grouped GEMM, forward and backward; the weight itself stays high precision (``._data``), so FSDP,
+    checkpoints and the HF export see the same tensor. Returns the converted weights' names."""
+    with _quiet_torchao():
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+        from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
+
+    from titan_sft.models.moe import GroupedExperts
+
+    config, names = Float8TrainingOpConfig(), []
+    for fqn, m in model.named_modules():
+        if isinstance(m, GroupedExperts):
+            for w in EXPERT_WEIGHTS:
+                p = getattr(m, w)
+                m.register_parameter(w, nn.Parameter(Float8TrainingWeightWrapperTensor(p.data, config),
+                                                     requires_grad=p.requires_grad))
+                names.append(f"{fqn}.{w}")
+    return names
 
 
 def float8_module_filter(mod: nn.Module, fqn: str) -> bool:
@@ -147,9 +184,17 @@ def _high_precision_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _high_precision_expert_weight(self, name: str) -> torch.Tensor:
+    from titan_sft.models.moe import GroupedExperts
+
+    w = GroupedExperts.weight(self, name)
+    return w._data if type(w).__name__ == "Float8TrainingWeightWrapperTensor" else w  # its bf16 weight
+
+
 @contextlib.contextmanager
 def high_precision_matmuls(model: nn.Module):
-    """Inside, float8-converted linears compute in the model's compute dtype (bf16), as if never converted.
+    """Inside, float8-converted linears and experts compute in the model's compute dtype (bf16), as if never
+    converted.
 
     Validation and generation run in it, so their metrics do not depend on the training precision (the masked
     diffusion spec: "validation stays bf16"). torchao's ``Float8Linear`` gets a plain linear forward for the
@@ -158,9 +203,14 @@ def high_precision_matmuls(model: nn.Module):
     """
     from titan_sft.lora import is_float8_linear
 
+    from titan_sft.models.moe import GroupedExperts
+
     swapped = [m for m in model.modules() if is_float8_linear(m)]
     for m in swapped:
         m.forward = types.MethodType(_high_precision_forward, m)
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.weight = types.MethodType(_high_precision_expert_weight, m)
     token = _FLOAT8_ON.set(False)
     try:
         yield
@@ -168,6 +218,8 @@ def high_precision_matmuls(model: nn.Module):
         _FLOAT8_ON.reset(token)
         for m in swapped:
             del m.forward
+        for m in experts:
+            del m.weight
 
 
 def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:
@@ -196,6 +248,16 @@ def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> 
     recipe = cfg.training.float8_recipe
     all_gather = recipe == "tensorwise" and device.type == "cuda"  # gloo cannot all-gather float8 tensors
     apply_float8(model, recipe, emulate=device.type != "cuda", fsdp_float8_all_gather=all_gather)
+    if model.args.n_experts:
+        from titan_sft.constants import DTYPES
+
+        dtype = DTYPES[cfg.training.param_dtype]
+        if float8_experts_supported(device, dtype):
+            apply_float8_experts(model)
+        else:
+            logger.warning(f"[parallelize] float8 grouped GEMM for the routed experts needs CUDA with compute "
+                           f"capability 9.0+ and bf16; on {device.type} ({dtype}) the experts compute in {dtype} "
+                           "(the other block linears are float8)")
     if all_gather:
         from torch.optim.optimizer import register_optimizer_step_post_hook
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

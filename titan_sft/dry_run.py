@@ -186,7 +186,7 @@ def dry_run(cfg: JobConfig) -> str:
     world = planned_world_size(cfg)
     dp_rep, dp_shard, tp, ep = check_layout(cfg, world)
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
-    check_expert_parallel(ep, args.n_experts, cfg.training.compile)
+    check_expert_parallel(ep, args.n_experts, cfg.training.compile, "lora" in cfg.model.converters and cfg.lora.experts)
     plan = spec.tp_plan_fn()
     mem = memory_per_rank(model, plan, dp_shard, tp, 2 if cfg.training.param_dtype == "bfloat16" else 4)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"

@@ -11,6 +11,10 @@ tensor-parallel styles place them with the weight (column-wise: both sharded on 
 DTensor then computes the exact branch under any layout. Activation checkpointing recomputes the branch with the
 block (with dropout > 0 the RNG state is kept for the recompute).
 
+Routed experts (``lora.experts``): each expert's gate/up/down weight [E, out, in] gets per-expert factors stored
+stacked, ``<w>_lora_a`` [E, r, in] and ``<w>_lora_b`` [E, out, r], run as two more grouped GEMMs on the same
+token groups (:class:`LoRAGroupedExperts`); expert parallel shards them by expert with their experts.
+
 On disk: DCP checkpoints hold the adapters like any parameter; HF exports merge them into the base weights
 (:func:`merge_lora`); :func:`save_peft_adapter` writes what PEFT loads (``adapter_config.json`` +
 ``adapter_model.safetensors``, HF module names; trained norms as ``modules_to_save``).
@@ -28,12 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_sft.config import JobConfig, Lora
+from titan_sft.models.moe import GroupedExperts, MoE, local
 from titan_sft.registry import register_converter
 
 # HF projection name -> native module path inside a block
 TARGETS = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
            "gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2"}
 ADAPTER_KEYS = ("lora_a", "lora_b")
+EXPERT_TARGETS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # HF name -> stacked expert weight
+EXPERT_ADAPTERS_FILE = "expert_adapters.safetensors"
 
 
 class LoRALinear(nn.Linear):
@@ -105,6 +112,49 @@ def _add_lora_to_float8(base: nn.Module, rank: int, alpha: float, dropout: float
     return base
 
 
+class LoRAGroupedExperts(GroupedExperts):
+    """Routed experts with a low-rank update per expert on the adapted weights (``lora_targets``): for expert e,
+    ``x W_e^T + scale * dropout(x) A_e^T B_e^T``, through the same grouped GEMM (or loop) as the base weight.
+    Made by class swap of a model's GroupedExperts (:func:`add_expert_lora`), so names and places stay."""
+
+    lora_targets: tuple[str, ...]
+
+    def project(self, x: torch.Tensor, name: str, mm) -> torch.Tensor:
+        y = super().project(x, name, mm)
+        if name not in self.lora_targets:
+            return y
+        h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        a, b = (local(getattr(self, f"{name}_{k}")) for k in ADAPTER_KEYS)
+        return y + mm(mm(h, a), b) * self.scale
+
+    def reset_converter_parameters(self, seed: int) -> None:
+        """Per weight: A ~ kaiming-uniform with bound 1 / sqrt(in) (PEFT's), B = 0, drawn whole on the CPU from
+        (seed, module name, weight), every rank keeping its shard (the same adapters for any layout)."""
+        for name in self.lora_targets:
+            a_p, b_p = (getattr(self, f"{name}_{k}") for k in ADAPTER_KEYS)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{self.key}.{name}".encode()))
+            bound = 1.0 / math.sqrt(a_p.shape[-1])
+            a = torch.rand(a_p.shape, generator=g, dtype=torch.float32) * 2 * bound - bound
+            with torch.no_grad():
+                _copy_full(a_p, a)
+                _copy_full(b_p, torch.zeros(b_p.shape))
+
+
+def add_expert_lora(experts: GroupedExperts, targets: list[str], rank: int, alpha: float, dropout: float,
+                    key: str) -> list[str]:
+    """Gives ``experts`` stacked per-expert adapters on the weights of ``targets`` (HF names: gate_proj, up_proj,
+    down_proj; others are ignored); returns the adapted weights' names."""
+    names = tuple(EXPERT_TARGETS[t] for t in targets if t in EXPERT_TARGETS)
+    experts.__class__ = LoRAGroupedExperts
+    experts.lora_targets, experts.scale, experts.dropout, experts.key = names, alpha / rank, dropout, key
+    for name in names:
+        w = getattr(experts, name)
+        e, out, inp = w.shape
+        experts.register_parameter(f"{name}_lora_a", nn.Parameter(torch.empty(e, rank, inp, device=w.device)))
+        experts.register_parameter(f"{name}_lora_b", nn.Parameter(torch.empty(e, out, rank, device=w.device)))
+    return list(names)
+
+
 def is_float8_linear(module: nn.Module) -> bool:
     return any(c.__name__ == "Float8Linear" for c in type(module).__mro__)
 
@@ -122,8 +172,9 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = None) -> list[str]:
     """Converts the target projections of every block and freezes the rest; returns the converted names. In a
-    model with routed experts the MoE blocks have no gate/up/down projections: their experts and router stay
-    frozen (the attention projections, and the MLPs of dense layers, get adapters)."""
+    model with routed experts the attention projections and the dense layers' MLPs get adapters; the experts
+    get stacked per-expert ones with ``lora.experts`` (their gate/up/down among the targets), and the router
+    stays frozen."""
     lo = cfg.lora
     for p in model.parameters():
         p.requires_grad_(False)
@@ -134,13 +185,18 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
             parent = block.get_submodule(parent_path)
             fqn = f"layers.{i}.{TARGETS[hf_name]}"
             base = getattr(parent, attr, None)
-            if not isinstance(base, nn.Linear):  # an MoE block's MLP: routed experts (frozen), no such projection
+            if not isinstance(base, nn.Linear):  # an MoE block's MLP: routed experts, adapted below or frozen
                 continue
             if is_float8_linear(base):  # float8 ran first: keep its float8 base matmul, add the adapter beside it
                 _add_lora_to_float8(base, lo.rank, lo.alpha, lo.dropout, fqn)
             else:
                 setattr(parent, attr, LoRALinear(base, lo.rank, lo.alpha, lo.dropout, fqn))
             names.append(fqn)
+        ff = getattr(block, "feed_forward", None)
+        if lo.experts and isinstance(ff, MoE):
+            fqn = f"layers.{i}.feed_forward.experts"
+            names += [f"{fqn}.{w}" for w in add_expert_lora(ff.experts, lo.targets, lo.rank, lo.alpha, lo.dropout,
+                                                            fqn)]
     if lo.train_norms:
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -149,7 +205,12 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
 
 
 def is_adapter_key(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in ADAPTER_KEYS
+    return name.endswith(ADAPTER_KEYS)
+
+
+def is_expert_adapter_key(name: str) -> bool:
+    """An expert weight's stacked adapter (``...experts.w1_lora_a``), as opposed to a linear's (``...wq.lora_a``)."""
+    return is_adapter_key(name) and name.rsplit(".", 1)[-1] not in ADAPTER_KEYS
 
 
 def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -158,8 +219,10 @@ def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.
     for name, t in state.items():
         if is_adapter_key(name):
             continue
-        prefix = name[: -len("weight")]
-        if name.endswith(".weight") and prefix + "lora_a" in state:
+        # A linear's adapters sit beside its weight (wq.weight: wq.lora_a); a stacked expert weight's carry its
+        # name (experts.w1: experts.w1_lora_a), and b @ a is then batched over the experts.
+        prefix = name[: -len("weight")] if name.endswith(".weight") else name + "_"
+        if prefix + "lora_a" in state:
             a, b = state[prefix + "lora_a"].float(), state[prefix + "lora_b"].float()
             t = (t.float() + scale * (b @ a)).to(t.dtype)
         out[name] = t
@@ -180,9 +243,11 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors, norm_modules = {}, set()
+    tensors, norm_modules, experts = {}, set(), {}
     for name, t in state.items():
-        if is_adapter_key(name):
+        if is_expert_adapter_key(name):
+            experts[name] = t.contiguous()  # native names: layers.<i>.feed_forward.experts.<w>_lora_<a|b>
+        elif is_adapter_key(name):
             base = native_to_hf(name[: -len("lora_a")] + "weight")[: -len(".weight")]
             kind = "lora_A" if name.endswith("lora_a") else "lora_B"
             tensors[f"base_model.model.{base}.{kind}.weight"] = t.contiguous()
@@ -197,6 +262,12 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
         "modules_to_save": sorted(norm_modules) or None, "use_rslora": False, "use_dora": False,
     }
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if experts:
+        # peft reaches Qwen3-MoE's experts only as transformers' fused 3-D gate_up_proj / down_proj parameters
+        # (target_parameters), where separate gate and up adapters have no exact place; titan_sft keeps them
+        # stacked beside the PEFT files, by native name (read back by warm starts; the merged export has them).
+        save_file(experts, str(out_dir / EXPERT_ADAPTERS_FILE), metadata={"format": "pt", "scale": str(lo.alpha / lo.rank)})
+        config["titan_sft_expert_adapters"] = EXPERT_ADAPTERS_FILE
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
@@ -273,6 +344,8 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
         else:
             # peft writes modules_to_save copies as <module>.modules_to_save.default.weight
             state[hf_to_native_name(hf.replace(".modules_to_save.default", ""))] = t
+    if conf.get("titan_sft_expert_adapters"):
+        state.update(load_file(str(d / conf["titan_sft_expert_adapters"])))
     return conf, state
 
 
@@ -317,6 +390,9 @@ def vllm_lora_problems(adapter_dir: str | Path) -> list[str]:
     problems = [f"adapter_config.json lacks {k}" for k in ("r", "lora_alpha", "target_modules") if k not in conf]
     if conf.get("modules_to_save"):
         problems.append(f"modules_to_save {conf['modules_to_save']} (trained norms): vLLM applies LoRA weights only")
+    if conf.get("titan_sft_expert_adapters"):
+        problems.append(f"{conf['titan_sft_expert_adapters']}: the routed experts' adapters are outside the PEFT "
+                        "weights (serve the merged export)")
     pattern = re.compile(r"^base_model\.model\.(.+)\.lora_[AB]\.weight$")
     with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
         for key in f.keys():

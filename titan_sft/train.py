@@ -73,7 +73,8 @@ class Trainer:
         check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
         self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
-        check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile)
+        check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile,
+                              "lora" in cfg.model.converters and cfg.lora.experts)
         with torch.device("meta"):
             model = spec.model_cls(self.args)
         spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())

@@ -79,6 +79,24 @@ class Router(nn.Module):
         return probs, top_p.to(logits.dtype), top_i, z_sum
 
 
+def local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight (the experts it holds under expert parallel)."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def expert_matmul(counts: torch.Tensor, impl: str):
+    """``mm(x, w)``: rows of x grouped by expert (``counts`` per expert, in order) times w[e] transposed, w
+    [E, out, in]; as one grouped GEMM, or one expert at a time (the reference; it syncs ``counts`` to the host)."""
+    if impl == "grouped":
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    sizes = counts.tolist()
+
+    def loop(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([F.linear(xe, w[e]) for e, xe in enumerate(torch.split(a, sizes))])
+    return loop
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts, weights stacked [E, out, in] as nn.Linear stores each (w1 gate, w3 up, w2 down)."""
 
@@ -94,17 +112,17 @@ class GroupedExperts(nn.Module):
 
         Under expert parallel the weights are sharded by expert (DTensors): this rank computes with its own
         ``E / ep`` experts, and ``counts`` are theirs."""
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
-        if impl == "grouped":
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            mm = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
-            return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
-        out, start = [], 0
-        for e, n in enumerate(counts.tolist()):  # the reference: one expert at a time (a host sync)
-            xe = x[start : start + n]
-            out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
-            start += n
-        return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
+        mm = expert_matmul(counts, impl)
+        return self.project(F.silu(self.project(x, "w1", mm)) * self.project(x, "w3", mm), "w2", mm)
+
+    def project(self, x: torch.Tensor, name: str, mm) -> torch.Tensor:
+        """Each expert's rows of ``x`` times that expert's ``name`` weight (transposed); a converter (LoRA on
+        the experts) extends this."""
+        return mm(x, self.weight(name))
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The stacked weight ``name`` as this rank computes with it (a converter may wrap it: float8)."""
+        return local(getattr(self, name))
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.w1, std=std, a=-3 * std, b=3 * std)
