@@ -160,7 +160,8 @@ def test_wandb_offline_run_resumes_under_the_same_id(tmp_path):
     losses = {x["step"]: x["loss"] for x in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
               if x["split"] == "train"}
     assert sorted(losses) == [1, 2, 3, 4]
-    runs = sorted((dump / "wandb").glob("offline-run-*-resume0001*"), key=lambda p: p.name.endswith("-1"))
+    # offline-run-<YYYYmmdd_HHMMSS>-<id>: the timestamp orders them (glob order is the filesystem's)
+    runs = sorted((dump / "wandb").glob("offline-run-*-resume0001*"), key=lambda p: p.name.split("-")[2])
     assert len(runs) == 2  # the same id twice: W&B merges them when synced
     logged = [next(r.glob("run-resume0001.wandb")).read_bytes() for r in runs]
     for blob, (mine, other) in zip(logged, (((1, 2), (3, 4)), ((3, 4), (1, 2)))):
