@@ -80,7 +80,7 @@ def test_a_converter_that_changes_the_trainable_set_stops_the_run(tmp_path):
     cfg = load_config("train_configs/debug_diffusion.toml", ["--model.converters", "lora,test_freeze_norms"])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        mesh, _ = ParallelDims.from_config(cfg, 1).build_mesh("cpu")
+        mesh, *_ = ParallelDims.from_config(cfg, 1).build_mesh("cpu")
         with torch.device("meta"):
             model = build_model(DEBUG)
         with pytest.raises(ConfigError, match=r"model.converters.*change LoRA's trainable parameters: \d+ missing"):

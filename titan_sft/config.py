@@ -284,6 +284,11 @@ class Parallelism:
     ep: int = doc(1, "expert-parallel degree (models with routed experts): each expert lives on one of ep "
                      "data-parallel ranks within dp_shard, tokens reach it by all-to-all; FSDP shards the experts "
                      "over the other dp_shard / ep ranks")
+    cp: int = doc(1, "context-parallel degree: every packed row is split along the sequence across cp ranks, which "
+                     "read the same data; attention exchanges them (cp_mode)")
+    cp_mode: Literal["ulysses", "ring"] = doc(
+        "ulysses", "context-parallel attention: 'ulysses' (all-to-all to head shards; any backend, heads per tp "
+                   "rank divisible by cp) or 'ring' (keys/values all-gathered, head-tail load balancing; sdpa/flex)")
     grad_reduce: Literal["per_microbatch", "last_microbatch"] = doc(
         "per_microbatch", "reduce-scatter gradients after every microbatch (sharded memory) or only after the "
                           "last (one collective, but unsharded fp32 gradients in between)")
@@ -633,24 +638,30 @@ def require_flavor(model_cfg: Model, flavors: dict[str, Any]) -> None:
                           f"allowed: {', '.join(flavors)}")
 
 
-def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) for ``world_size`` ranks, with the batch arithmetic checked.
+def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, int]:
+    """(dp_replicate, dp_shard, tp, ep, cp) for ``world_size`` ranks, with the batch arithmetic checked.
 
     Raises:
         ConfigError: the mesh does not multiply to the world size, or the global batch does not split into
             whole per-rank batches of whole microbatches.
     """
     p, t = cfg.parallelism, cfg.training
-    shard = world_size // (p.dp_replicate * p.tp) if p.dp_shard == -1 else p.dp_shard
-    if p.dp_replicate * shard * p.tp != world_size:
+    if p.cp < 1 or world_size % p.cp:
+        raise ConfigError(f"config key 'parallelism.cp': {p.cp} must be a positive divisor of the world size "
+                          f"{world_size}")
+    shard = world_size // (p.dp_replicate * p.cp * p.tp) if p.dp_shard == -1 else p.dp_shard
+    if p.dp_replicate * shard * p.cp * p.tp != world_size:
         raise ConfigError(
-            f"config key 'parallelism': dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x tp={p.tp} "
-            f"does not multiply to the world size {world_size}"
+            f"config key 'parallelism': dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x cp={p.cp} x "
+            f"tp={p.tp} does not multiply to the world size {world_size}"
         )
     dp = p.dp_replicate * shard
     if p.ep < 1 or shard % p.ep:
         raise ConfigError(f"config key 'parallelism.ep': {p.ep} must be a positive divisor of the FSDP shards "
                           f"per replica (dp_shard = {shard}): expert-parallel ranks are data-parallel ranks")
+    if p.cp > 1 and p.ep > 1:
+        raise ConfigError(f"config key 'parallelism.cp': {p.cp} with parallelism.ep = {p.ep} is not supported "
+                          "(set one of them to 1)")
     if t.global_batch_size % dp:
         raise ConfigError(f"config key 'training.global_batch_size': {t.global_batch_size} must be divisible by the "
                           f"data-parallel ranks ({dp})")
@@ -659,7 +670,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
             f"config key 'training.per_device_batch': {t.per_device_batch} must divide the per-rank "
             f"batch global_batch_size / ranks = {t.global_batch_size // dp}"
         )
-    return p.dp_replicate, shard, p.tp, p.ep
+    return p.dp_replicate, shard, p.tp, p.ep, p.cp
 
 
 def validation_sets(cfg: JobConfig) -> list[tuple[str | None, str, float]]:
@@ -687,6 +698,30 @@ def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_e
         raise ConfigError(f"config key 'parallelism.ep': {ep}, but the model has no routed experts (ep must be 1)")
     if n_experts % ep:
         raise ConfigError(f"config key 'parallelism.ep': {ep} must divide the model's {n_experts} experts")
+
+
+def check_context_parallel(cp: int, mode: str, tp: int, n_heads: int, n_kv_heads: int, seq_len: int,
+                           attention: str, n_experts: int) -> None:
+    """Context parallel cuts every row into equal shards (ring: two chunks per rank), each still divisible by tp
+    for sequence parallel; Ulysses hands each cp rank whole heads of the tp rank's share."""
+    if cp == 1:
+        return
+    chunks = cp * (2 if mode == "ring" else 1)
+    if seq_len % (chunks * tp):
+        raise ConfigError(f"config key 'parallelism.cp': {cp} ({mode}{', two chunks per rank' if mode == 'ring' else ''}"
+                          f"{f' x tp {tp}' if tp > 1 else ''}) must divide the packed sequence length {seq_len} into "
+                          f"{chunks * tp} equal parts")
+    if mode == "ulysses" and (n_heads // tp) % cp:
+        raise ConfigError(f"config key 'parallelism.cp': ulysses gives each of the {cp} cp ranks whole attention "
+                          f"heads, but there are {n_heads // tp} per tp rank; use a cp that divides them or "
+                          "parallelism.cp_mode = 'ring'")
+    if mode == "ring" and attention not in ("sdpa", "flex"):
+        raise ConfigError(f"config key 'parallelism.cp_mode': 'ring' needs model.attention 'sdpa' or 'flex' (the "
+                          f"varlen kernels take no per-query positions), not '{attention}'; or use 'ulysses'")
+    if n_experts:
+        raise ConfigError(f"config key 'parallelism.cp': {cp} is not supported yet for models with routed experts "
+                          "(the load-balancing loss is not linear in the tokens: each shard's would differ from the "
+                          "row's); set it to 1")
 
 
 def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:

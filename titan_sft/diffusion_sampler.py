@@ -191,8 +191,16 @@ class GenerationValidator:
                     f.write(json.dumps(row) + "\n")
         return [summary]
 
-    @torch.no_grad()
     def run(self, model: torch.nn.Module, step: int) -> tuple[dict, list[dict]]:
+        """Generates for every prompt and scores the answers; under context parallel every cp rank runs whole
+        sequences (prompts have any length)."""
+        from titan_sft.parallel.context_parallel import full_sequence
+
+        with full_sequence(model):
+            return self._run(model, step)
+
+    @torch.no_grad()
+    def _run(self, model: torch.nn.Module, step: int) -> tuple[dict, list[dict]]:
         v = self.cfg.validation
         device = next(model.parameters()).device
         end_ids = end_token_ids(self.tokenizer)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -11,7 +13,7 @@ class StartupCheckError(RuntimeError):
 
 @torch.no_grad()
 def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch.device, backend: str,
-                             causal: bool = True, hint: str = "") -> None:
+                             causal: bool = True, hint: str = "", cp_group=None) -> None:
     """Recipe item 7: the tokens of one document must not change another's hidden states (bit for bit).
 
     A row of two documents is run twice, with the first document changed; the second document's hidden states
@@ -23,23 +25,34 @@ def check_document_isolation(model, vocab_size: int, seq_len: int, device: torch
     one document changes which rows share a matmul with the other's tokens and, in the last bits, their rounding.
     A leak moves hidden states by about their own size; the tolerance (mean |change| at most 1e-4 of the mean
     |hidden|, 2e-2 in 16-bit dtypes) is far below that.
+
+    Under context parallel the row is sharded like a training row (the documents' boundary falls inside a
+    shard or between shards, by the row's length) and every cp rank checks its positions; the verdict is agreed
+    over ``cp_group``.
     """
     was_training = model.training
     model.eval()  # dropout (LoRA's) would change the hidden states between the two forwards by itself
     try:
         with torch.compiler.set_stance("force_eager"):  # a [1, 256] row must not make compiled blocks recompile
-            _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint)
+            _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint, cp_group)
     finally:
         model.train(was_training)
 
 
-def _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint) -> None:
+def _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint, cp_group) -> None:
+    from titan_sft.parallel import comm
+    from titan_sft.parallel.context_parallel import sequence_shard
+
     g = torch.Generator().manual_seed(1234)
-    n = min(seq_len, 256)
+    shard = sequence_shard(model)
+    # Under cp: a divisor of the row length that cp's chunks, and sequence parallel within them, split evenly.
+    n = shard.chunks() * math.gcd(seq_len // shard.chunks(), 256) if shard else min(seq_len, 256)
     split = n // 2
     row = torch.randint(0, vocab_size, (1, n), generator=g)
     cu = torch.tensor([0, split, n], dtype=torch.int32, device=device)
-    base = _full(model(row.to(device), cu_seqlens=cu, hidden_only=True))
+    here = shard.index(n) if shard else torch.arange(n)  # the positions this rank runs (and checks)
+    local = (lambda x: shard.rows(x)) if shard else (lambda x: x)  # noqa: E731
+    base = _full(model(local(row).to(device), cu_seqlens=cu, hidden_only=True))
     routed = bool(getattr(model, "router_stats", None))
     cases = [(slice(0, split), slice(split, n), "document 2", "document 1")]
     if not causal:
@@ -47,8 +60,12 @@ def _check_isolation(model, vocab_size, seq_len, device, backend, causal, hint) 
     for changed, kept, kept_name, changed_name in cases:
         other = row.clone()
         other[0, changed] = torch.randint(0, vocab_size, (changed.stop - changed.start,), generator=g)
-        out = _full(model(other.to(device), cu_seqlens=cu, hidden_only=True))
-        if not _same(base[:, kept], out[:, kept], routed):
+        out = _full(model(local(other).to(device), cu_seqlens=cu, hidden_only=True))
+        mine = ((here >= kept.start) & (here < kept.stop)).to(device)
+        bad = comm.tensor(float(not _same(base[:, mine], out[:, mine], routed)))
+        if shard is not None:
+            comm.all_reduce(bad, torch.distributed.ReduceOp.MAX, group=cp_group, what="isolation check")
+        if bad.item():
             raise StartupCheckError(
                 f"document isolation check failed for attention backend '{backend}': {kept_name}'s hidden states "
                 f"changed when {changed_name} changed{hint} (use --training.skip_startup_checks true to bypass)"

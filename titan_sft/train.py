@@ -23,8 +23,8 @@ import torch
 
 from titan_sft.atomic import atomic_write_text
 from titan_sft.checkpoint import run_folder
-from titan_sft.config import (ConfigError, JobConfig, check_expert_parallel, check_tensor_parallel, check_vocab,
-                              config_help, load_config)
+from titan_sft.config import (ConfigError, JobConfig, check_context_parallel, check_expert_parallel,
+                              check_tensor_parallel, check_vocab, config_help, load_config)
 from titan_sft.converters import high_precision_matmuls
 from titan_sft.data.dataset import check_tokenizer
 from titan_sft.hf_io import HFExporter, load_hf_weights, model_args
@@ -33,6 +33,7 @@ from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, init_sharded, shutdown
+from titan_sft.parallel.context_parallel import sequence_shard
 from titan_sft.registry import converter_hook, get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
@@ -55,7 +56,7 @@ class Trainer:
         self.nodes = sorted(set(nodes))
         self.spec = spec = get_train_spec(cfg.model.name)
         self.objective = build_objective(cfg)
-        self.objective.bind(d.dp_group)
+        self.objective.bind(d.dp_group, d.loss_group)
         torch.manual_seed(cfg.job.seed)
 
         # ---- data: dataset, sampler (this data-parallel rank's share) and the objective's collator
@@ -73,11 +74,14 @@ class Trainer:
         check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
         self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
+        check_context_parallel(d.dims.cp, cfg.parallelism.cp_mode, d.dims.tp, self.args.n_heads,
+                               self.args.n_kv_heads, self.seq_len, cfg.model.attention, self.args.n_experts)
         check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile,
                               "lora" in cfg.model.converters and cfg.lora.experts)
         with torch.device("meta"):
             model = spec.model_cls(self.args)
         spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
+        self.objective.shard_sequence(sequence_shard(model))  # context parallel: each rank's part of the rows
         model.to_empty(device=d.device)
         self._init_weights(model)
         self.model = model
@@ -224,12 +228,15 @@ class Trainer:
                extra: list[torch.Tensor] = ()) -> tuple[float, int, float, list[float]]:
         """The step's one all-reduce over all ranks, on the compute device: the loss, token and FLOP sums and the
         objective's ``extra`` sums (the tp ranks of a data-parallel rank computed the same loss on the same tokens,
-        so only the first of them adds its own), whether any rank was signalled, and the checkpointer's votes.
-        Returns the step's loss, tokens, FLOPs and extra sums; keeps the rest for the loop."""
+        so only the first of them adds its own; the cp ranks each computed the loss of their part of the rows, and
+        all add it, but the tokens and FLOPs of the whole microbatches only once), whether any rank was signalled,
+        and the checkpointer's votes. Returns the step's loss, tokens, FLOPs and extra sums; keeps the rest for the
+        loop."""
         lead = self.dist.mesh["tp"].get_local_rank() == 0
+        count = lead and self.dist.mesh["cp"].get_local_rank() == 0
         sums = [x.double().view(1) if lead else torch.zeros(1, dtype=torch.float64, device=x.device)
                 for x in (loss_sum, *extra)]
-        local = torch.cat([*sums, comm.tensor([n_tokens if lead else 0, flops if lead else 0.0,
+        local = torch.cat([*sums, comm.tensor([n_tokens if count else 0, flops if count else 0.0,
                                                float(self.stop_signal is not None), *self.checkpointer.votes()])])
         agreed = comm.all_reduce(local, what="step statistics").tolist()  # .tolist() waits for the step
         k = len(extra)
@@ -251,7 +258,8 @@ class Trainer:
             hint = ("; float8 tensorwise shares one activation scale across the documents of a row, so this is "
                     "expected with it (rowwise keeps them isolated)") if t.float8 and t.float8_recipe == "tensorwise" else ""
             check_document_isolation(self.model, self.args.vocab_size, self.seq_len, self.dist.device,
-                                     cfg.model.attention, self.objective.causal, hint)
+                                     cfg.model.attention, self.objective.causal, hint,
+                                     cp_group=self.dist.mesh["cp"].get_group())
         self.first_step = self.sampler.step = self.step
         self.skipped = 0
         self.loader.start(self.step)

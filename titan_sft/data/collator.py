@@ -35,6 +35,14 @@ class Microbatch:
         return Microbatch(move(self.input_ids), move(self.labels), move(self.positions), move(self.cu_seqlens),
                           move(self.groups), self.max_seqlen, self.n_loss_tokens)
 
+    def shard(self, cp) -> "Microbatch":
+        """This context-parallel rank's part of the rows (``cp``: a ``SequenceShard``): every per-position field
+        sliced alike (labels were shifted in the whole row, so a part's last target is the next part's first
+        token); ``cu_seqlens`` stays the whole rows' (attention sees them whole)."""
+        labels = cp.rows(self.labels)
+        return Microbatch(cp.rows(self.input_ids), labels, cp.rows(self.positions), self.cu_seqlens,
+                          cp.rows(self.groups), self.max_seqlen, int((labels != IGNORE_INDEX).sum()))
+
     def pin_memory(self) -> "Microbatch":
         pin = lambda t: t.pin_memory()  # noqa: E731
         return Microbatch(pin(self.input_ids), pin(self.labels), pin(self.positions), pin(self.cu_seqlens),

@@ -129,6 +129,10 @@ class AttentionBackend:
         self.backend = backend
         self.causal = causal
 
+    def default_positions(self, seqlen: int, device: torch.device) -> torch.Tensor:
+        """RoPE positions [1, seqlen] of rows given without positions: 0..seqlen-1 (broadcast over rows)."""
+        return torch.arange(seqlen, device=device).unsqueeze(0)
+
     def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> AttentionMask:
         """Builds the mask for a forward over ``[batch, seqlen]`` tokens (``cu_seqlens`` over the flattened rows)."""
         if cu_seqlens is None:

@@ -272,7 +272,7 @@ class Transformer(nn.Module):
         b, t = input_ids.shape
         h = self.tok_embeddings(input_ids)
         if positions is None:
-            positions = torch.arange(t, device=input_ids.device).unsqueeze(0)  # broadcast over rows
+            positions = self.backend.default_positions(t, input_ids.device)  # 0..T-1 of the (unsharded) row
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype)
         mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens)
         stats = []

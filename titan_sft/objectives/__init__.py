@@ -8,6 +8,9 @@ An objective owns everything between the data and the gradient that differs from
 * ``causal``: the attention mode (causal, or bidirectional within each document);
 * ``begin_step(batch, dataset, first)``: per-step set-up before any forward (e.g. loss denominators all-reduced
   over the data-parallel ranks, ``self.dp_group``, so that the step loss is the same for any layout);
+* ``local(mb)``: under context parallel, this rank's part of the microbatch's rows (``mb.shard(self.cp)``; the
+  microbatch type says how its fields follow the positions); losses computed on parts are summed over
+  ``self.loss_group`` (data-parallel x cp ranks), counts of whole microbatches over ``self.dp_group``;
 * ``loss(model, microbatch)``: runs the model to hidden states and applies the output head itself (chunked, or
   only where loss is carried); the returned scalars, summed over microbatches and ranks, are the step loss;
 * ``router_loss(model, loss)``: with routed experts, adds the load-balancing loss of the forward just run (the
@@ -63,10 +66,24 @@ class Objective:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.dp_group = None  # the data-parallel process group (None: all ranks); set by bind()
+        self.loss_group = None  # the data-parallel x context-parallel group (None: all ranks); set by bind()
+        self.cp = None  # this rank's SequenceShard under context parallel; set by shard_sequence()
 
-    def bind(self, dp_group) -> None:
-        """Tells the objective which ranks hold different data (tensor-parallel ranks share theirs)."""
+    def bind(self, dp_group, loss_group=None) -> None:
+        """Tells the objective which ranks hold different data (``dp_group``: tensor- and context-parallel ranks
+        share theirs) and which compute different losses (``loss_group``: context-parallel ranks each compute
+        their part's; default ``dp_group``)."""
         self.dp_group = dp_group
+        self.loss_group = dp_group if loss_group is None else loss_group
+
+    def shard_sequence(self, shard) -> None:
+        """Under context parallel (``shard``: this rank's ``parallel.context_parallel.SequenceShard``; None
+        without) every forward runs on this rank's part of the rows (:meth:`local`)."""
+        self.cp = shard
+
+    def local(self, mb: Any) -> Any:
+        """This rank's part of microbatch ``mb`` under context parallel (``mb.shard``), else ``mb`` itself."""
+        return mb if self.cp is None else mb.shard(self.cp)
 
     def setup(self, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
         """Checks the objective's settings against the model's vocabulary and the tokenizer (None when the run has

@@ -80,6 +80,7 @@ class CausalLM(Objective):
         return None
 
     def loss(self, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
+        mb = self.local(mb)
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
         weights = group_weights(mb.labels, mb.groups, self.counts, self.n_groups)
         # model.output.weight is the unsharded head here (FSDP does not reshard the root after forward); under
@@ -95,7 +96,7 @@ class CausalLM(Objective):
         v = self.cfg.validation
         validators: list[Validator] = []
         if v.path or v.holdout_fraction or v.sources:
-            validators.append(HeldOutLoss(self.cfg, self.collate, self.dp_group))
+            validators.append(HeldOutLoss(self.cfg, self.collate, self.dp_group, self.local, self.loss_group))
         if v.generation_eval_path:
             validators.append(ExactMatchValidator(v.generation_eval_path, v.max_new_tokens, v.max_examples))
         return Validators(validators) if validators else None
@@ -109,10 +110,12 @@ class HeldOutLoss(Validator):
     The held-out loss is the token mean over the whole set (not the training step's mean of group means, which
     depends on how packs fall into groups). Every data-parallel rank evaluates its share (packs r, r + W, ...) and
     the sums are all-reduced; ranks with one pack fewer run a masked copy so that all run the same forwards.
-    With ``validation.keep_best`` the checkpoint of the lowest loss is kept in ``checkpoints-best/``.
+    With ``validation.keep_best`` the checkpoint of the lowest loss is kept in ``checkpoints-best/``. Under
+    context parallel every cp rank evaluates its part of the rows (``local``) and the sums run over
+    ``loss_group``.
     """
 
-    def __init__(self, cfg: JobConfig, collate_fn, dp_group):
+    def __init__(self, cfg: JobConfig, collate_fn, dp_group, local=lambda mb: mb, loss_group=None):
         from titan_sft.config import validation_sets
         from titan_sft.data.dataset import PackedDataset
         from titan_sft.data.sampler import holdout_split
@@ -127,7 +130,8 @@ class HeldOutLoss(Validator):
             self.sets.append((None, ds, holdout_split(len(ds), v.holdout_fraction, v.holdout_seed)[1], 1.0))
         if v.max_packs:
             self.sets = [(n, ds, ids[: v.max_packs], w) for n, ds, ids, w in self.sets]
-        self.collate, self.dp_group = collate_fn, dp_group
+        self.collate, self.dp_group, self.local = collate_fn, dp_group, local
+        self.loss_group = dp_group if loss_group is None else loss_group
         self.interval, self.keep_best, self.best_source = v.interval, v.keep_best, v.best_source
         self.per_device, self.chunk = v.batch_size or cfg.training.per_device_batch, cfg.training.loss_chunk_size
         self.best = float("inf")
@@ -160,12 +164,12 @@ class HeldOutLoss(Validator):
             for row, j in enumerate(picks):
                 if j >= len(mine):  # padding forward: same shapes, no loss
                     mb.labels[row] = IGNORE_INDEX
-            mb = mb.to(device)
+            mb = self.local(mb).to(device)
             hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
             total = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk)
             sums[0] += total.double()
             sums[1] += (mb.labels != IGNORE_INDEX).sum()
-        loss_sum, n = comm.all_reduce(sums, group=self.dp_group, what="held-out loss").tolist()
+        loss_sum, n = comm.all_reduce(sums, group=self.loss_group, what="held-out loss").tolist()
         return loss_sum / max(n, 1.0), int(n)
 
 

@@ -66,6 +66,20 @@ class DiffusionMicrobatch:
                                    pin(self.targets), pin(self.weights), pin(self.part), self.stats, self.max_seqlen,
                                    self.n_answer)
 
+    def shard(self, cp) -> "DiffusionMicrobatch":
+        """This context-parallel rank's part of the rows (``cp``: a ``SequenceShard``): the rows' fields sliced,
+        the targets whose predicting position this rank holds (re-indexed into its part, in order, so split_loss's
+        answer-first order holds), and the stats (counts of whole examples) on the first cp rank only, so that
+        summing over the cp ranks counts them once. The noise was drawn on the whole rows: the same masks at any
+        cp."""
+        length = self.input_ids.shape[1]
+        held, rows = cp.flat(self.rows, length)
+        n_answer = int(held[: self.n_answer].sum()) if self.n_answer >= 0 else -1
+        stats = self.stats if cp.rank == 0 else torch.zeros_like(self.stats)
+        return DiffusionMicrobatch(cp.rows(self.input_ids), cp.rows(self.positions), self.cu_seqlens, rows[held],
+                                   self.targets[held], self.weights[held], self.part[held], stats, self.max_seqlen,
+                                   n_answer)
+
     @property
     def n_examples(self) -> int:
         return int(self.stats[0])
@@ -237,6 +251,7 @@ class MaskedDiffusion(Objective):
                                          rows=mb.rows[part], compiled=self.compile_loss)
 
     def loss(self, model: torch.nn.Module, mb: DiffusionMicrobatch) -> torch.Tensor:
+        mb = self.local(mb)
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
         weights = (mb.weights / self.denoms.to(mb.weights.device)[mb.part]).float()
         if mb.n_answer < 0:
@@ -347,6 +362,7 @@ class DenoisingValidator(Validator):
         obj = self.objective
         group = obj.dp_group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
+        group = obj.loss_group  # the sums: each cp rank evaluates its part of the rows
         n = min(len(dataset), self.max_packs) if self.max_packs else len(dataset)
         mine = list(range(rank, n, world))
         per_rank = -(-n // world)
@@ -364,7 +380,9 @@ class DenoisingValidator(Validator):
                 mb.weights.zero_()
                 keep.zero_()
                 mb.stats.zero_()
-            mb = mb.to(device)
+            held = obj.cp.flat(mb.rows, mb.input_ids.shape[1])[0] if obj.cp is not None else slice(None)
+            keep = keep[held]
+            mb = obj.local(mb).to(device)
             hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
             parts = [obj.masked_ce(model, hidden, mb, (mb.weights * (mb.part == k)).float()) for k in (0, 1)]
             ce = obj.masked_ce(model, hidden, mb, keep.float().to(device))

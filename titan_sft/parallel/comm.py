@@ -95,6 +95,15 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
     return all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
 
 
+def all_gather_rows(x: torch.Tensor, group, what: str = "all-gather rows") -> torch.Tensor:
+    """``x`` of every rank of ``group`` stacked along dim 0 (rank-major); differentiable (the gradient is
+    reduce-scattered back)."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    _check(x, what)
+    return all_gather_tensor_autograd(x.contiguous(), 0, group)
+
+
 class _HostTensorMarker(TorchFunctionMode):
     """Marks tensors a GPU run would hold on the host (see the module docstring)."""
 

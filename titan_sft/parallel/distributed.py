@@ -26,8 +26,9 @@ class DistInfo:
     local_rank: int
     device: torch.device
     dims: ParallelDims
-    mesh: DeviceMesh  # (dp_replicate, dp_shard, tp)
+    mesh: DeviceMesh  # (dp_replicate, dp_shard_mod_ep, ep, cp, tp)
     dp_flat: DeviceMesh  # the data-parallel ranks as one dimension
+    dp_cp: DeviceMesh  # the data-parallel and context-parallel ranks as one dimension
 
     @property
     def dp_rank(self) -> int:
@@ -41,8 +42,14 @@ class DistInfo:
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        """The group of data-parallel reductions (token counts, loss sums): tp ranks hold the same data."""
+        """The group of reductions over data (token counts, loss denominators): tp and cp ranks hold the same
+        data."""
         return self.dp_flat.get_group()
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup:
+        """The group of reductions over computed losses: each cp rank computes the loss of its part of the rows."""
+        return self.dp_cp.get_group()
 
 
 def init_distributed(cfg: JobConfig) -> DistInfo:
@@ -69,7 +76,7 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     comm.set_device(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.from_config(cfg, world)
-    mesh, dp_flat = dims.build_mesh(device.type)
+    mesh, dp_flat, dp_cp = dims.build_mesh(device.type)
     init_logging(rank)
     cfg.model.attention, notice = resolve_backend(cfg.model.attention, device)
     if notice:
@@ -80,7 +87,7 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
         raise ConfigError(str(e)) from None
     if cfg.training.deterministic:
         torch.use_deterministic_algorithms(True)
-    return DistInfo(rank, world, local_rank, device, dims, mesh, dp_flat)
+    return DistInfo(rank, world, local_rank, device, dims, mesh, dp_flat, dp_cp)
 
 
 def clip_grad_norm_(params, max_norm: float) -> float:

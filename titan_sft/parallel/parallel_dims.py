@@ -1,10 +1,14 @@
 """The device mesh of a run, from [parallelism] and the world size.
 
-One 4-D mesh ``(dp_replicate, dp_shard_mod_ep, ep, tp)`` (sizes may be 1) with named sub-meshes:
+One 5-D mesh ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` (sizes may be 1) with named sub-meshes:
 
-* ``dp_shard`` = (dp_shard_mod_ep, ep) flattened, and (dp_replicate, dp_shard): what FSDP2 shards every parameter
-  but the experts over (HSDP: replicate across groups, shard within);
-* ``dp_flat``: the data-parallel ranks as one dimension, the group of every data-parallel reduction;
+* ``dp_shard`` = (dp_shard_mod_ep, ep) flattened: the data-parallel ranks within a replica;
+* ``dp_shard_cp`` = (dp_shard_mod_ep, ep, cp) flattened, and (dp_replicate, dp_shard_cp): what FSDP2 shards every
+  parameter but the experts over (HSDP: replicate across groups, shard within); the cp ranks hold different
+  tokens of the same rows, so their gradients are summed like those of other data-parallel ranks;
+* ``dp_flat``: the data-parallel ranks as one dimension, the group of every reduction over data (token counts);
+* ``dp_cp``: the data-parallel and cp ranks as one dimension, the group of reductions over computed losses;
+* ``cp``: context parallel (``parallel.context_parallel``): ranks that read the same rows and each run a part;
 * ``ep``: expert parallel, data-parallel ranks that each hold ``n_experts / ep`` experts and exchange tokens; the
   experts are FSDP-sharded over (dp_replicate, dp_shard_mod_ep), the ranks holding the same experts;
 * ``tp``: tensor/sequence parallel; its ranks see the same data and hold slices of the same layers.
@@ -25,6 +29,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     ep: int
+    cp: int
     world_size: int
 
     @classmethod
@@ -36,14 +41,18 @@ class ParallelDims:
     def dp_world(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The 3-D mesh and its flattened data-parallel sub-mesh (kept, not sliced again from the root)."""
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+        """The 5-D mesh, its flattened data-parallel sub-mesh and the data-parallel x cp one (kept, not sliced
+        again from the root)."""
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"))
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        return mesh, mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp_flat")
+        mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+        dp_cp = mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
+        return mesh, mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp_flat"), dp_cp
 
     def describe(self) -> str:
-        return (f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp} = "
+        return (f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = "
                 f"{self.world_size} ranks ({'HSDP' if self.dp_replicate > 1 else 'FSDP'}"
+                f"{f' x CP {self.cp}' if self.cp > 1 else ''}"
                 f"{' x TP + SP' if self.tp > 1 else ''}{f' x EP {self.ep}' if self.ep > 1 else ''})")

@@ -1,5 +1,6 @@
 """Applies parallelism and memory/speed features to a meta-device model, in torchtitan's order:
-model converters (float8, ...) -> tensor/sequence parallel (the family's plan) -> activation checkpointing ->
+model converters (float8, ...) -> tensor/sequence parallel (the family's plan) -> expert parallel -> context
+parallel (the attention exchange) -> activation checkpointing ->
 per-block torch.compile -> FSDP2 fully_shard over the data-parallel ranks (HSDP when dp_replicate > 1).
 """
 
@@ -46,7 +47,9 @@ def _save_ops() -> set:
     names = ["aten.mm.default", "aten.linear.default", "aten.addmm.default", "aten.bmm.default",
              *(n for ops in ATTENTION_SAVE_OPS.values() for n in ops),
              "aten._scaled_mm.default", "aten.max.default",
-             "_c10d_functional.reduce_scatter_tensor.default"]
+             "_c10d_functional.reduce_scatter_tensor.default",
+             # context parallel's exchanges around attention
+             "_c10d_functional.all_to_all_single.default", "_c10d_functional.all_gather_into_tensor.default"]
     ops = set()
     for name in names:
         obj = torch.ops
@@ -159,7 +162,7 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     """Applies the layout and features the config selects to ``model`` (in place).
 
     Args:
-        mesh: the run's (dp_replicate, dp_shard, tp) mesh (``ParallelDims.build_mesh``).
+        mesh: the run's (dp_replicate, dp_shard_mod_ep, ep, cp, tp) mesh (``ParallelDims.build_mesh``).
         tp_plan: the family's tensor-parallel plan, applied when the tp dimension is larger than 1.
     """
     t = cfg.training
@@ -185,11 +188,15 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         from titan_sft.parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, mesh["ep"])
+    if mesh["cp"].size() > 1:
+        from titan_sft.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"], cfg.parallelism.cp_mode)
     if t.activation_checkpoint != "none":
         dropout = "lora" in cfg.model.converters and cfg.lora.dropout > 0
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
     if t.compile:
         apply_compile(model)
     experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["ep"].size() > 1 else None
-    apply_fsdp(model, mesh["dp_replicate", "dp_shard"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
+    apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
     return model
