@@ -20,7 +20,8 @@ def _seed():
 
 
 def tiny_hf_config(kind: str):
-    """Random tiny HF configs for parity tests: Qwen3 tied / untied (GQA), Llama 3 with llama3 RoPE scaling."""
+    """Random tiny HF configs for parity tests: Qwen3 tied / untied (GQA) / with YaRN, Llama 3 with llama3 RoPE
+    scaling."""
     from transformers import LlamaConfig, Qwen3Config
 
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -29,6 +30,9 @@ def tiny_hf_config(kind: str):
         return Qwen3Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if kind == "qwen3_untied":
         return Qwen3Config(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if kind == "qwen3_yarn":  # Qwen3's long-context YaRN, over a 64-position "pretraining" context
+        return Qwen3Config(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64})
     if kind == "llama3":
         return LlamaConfig(**common, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

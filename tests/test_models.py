@@ -1,5 +1,7 @@
 """Native models equal the transformers reference: logits, packed documents, gradients, parameter counts."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from titan_sft.models.llama3 import LLAMA3_FLAVORS
 from titan_sft.models.qwen3 import QWEN3_FLAVORS
 from titan_sft.registry import get_train_spec
 
-KINDS = ["qwen3_tied", "qwen3_untied", "llama3"]
+KINDS = ["qwen3_tied", "qwen3_untied", "qwen3_yarn", "llama3"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -155,6 +157,36 @@ def test_legacy_rope_config_keys():
     new = hf_config_from_args(args, "llama", "LlamaForCausalLM")
     again = args_from_hf_config(new)
     assert again.rope_scaling == args.rope_scaling and again.rope_theta == args.rope_theta
+
+
+def test_yarn_logits_past_the_original_context_and_config_round_trip(tmp_path):
+    """Qwen3 with YaRN (factor 4 over 64 original positions) equals transformers at positions up to 4x the original
+    context; the exported config.json says the same scaling; model.yarn_factor puts it on a model without any."""
+    import dataclasses
+
+    from titan_sft.config import load_config
+    from titan_sft.hf_io import model_args
+    from titan_sft.models.hf_adapter import args_from_hf_config
+    from titan_sft.models.transformer import rope_attention_factor
+
+    hf = save_tiny_hf("qwen3_yarn", tmp_path)
+    model = load_hf(tmp_path)
+    assert model.args.rope_scaling.rope_type == "yarn" and rope_attention_factor(model.args) == pytest.approx(
+        0.1 * math.log(4.0) + 1.0)
+    x = torch.randint(0, 320, (1, 256))
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max().item() < 1e-5
+    again = args_from_hf_config(hf_config_from_args(model.args, "qwen3", "Qwen3ForCausalLM"))
+    assert again.rope_scaling == model.args.rope_scaling
+    cfg = load_config(None, ["--model.yarn_factor", "4", "--model.yarn_original_positions", "64"])
+    args = model_args(cfg.model, get_train_spec("qwen3"))
+    assert args.rope_scaling.factor == 4.0 and args.rope_scaling.original_max_position_embeddings == 64
+    assert args.max_seq_len == 256
+    # YaRN changes the numbers: the same weights without it give other logits
+    plain = build_model(dataclasses.replace(model.args, rope_scaling=None), "cpu")
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (plain(x) - hf(x).logits).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])

@@ -58,6 +58,11 @@ class Model:
     attention: Literal["auto", "sdpa", "flex", "varlen", "flash_varlen"] = doc(
         "sdpa", "attention backend: sdpa (everywhere), flex, varlen (torch's varlen kernels, GPU, bf16), flash_varlen "
                 "(flash-attn, GPU, bf16), auto (GPU: flash_varlen where flash-attn is installed, else varlen; CPU: sdpa)")
+    yarn_factor: float = doc(0.0, "YaRN RoPE context extension over the checkpoint's RoPE (Qwen3: 4.0 with "
+                                   "yarn_original_positions 32768 reaches 131072 tokens); 0: as the HF config or "
+                                   "flavor says; written into exported config.json")
+    yarn_original_positions: int = doc(32768, "with yarn_factor: the context length the model was pretrained for "
+                                              "(YaRN's original_max_position_embeddings)")
     reset_positions_per_document: bool = doc(False, "RoPE positions restart at 0 in every packed document")
     converters: list[str] = doc([], "extra model converters by registered name, applied in order before "
                                     "sharding (float8 is switched by training.float8)")

@@ -95,6 +95,16 @@ def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
     else:
         require_flavor(model_cfg, spec.flavors)
         args = spec.flavors[model_cfg.flavor]
+    if model_cfg.yarn_factor:
+        from titan_sft.models.transformer import RopeScaling
+
+        if model_cfg.yarn_factor <= 1:
+            raise ConfigError(f"config key 'model.yarn_factor': {model_cfg.yarn_factor} must be above 1 (0 turns "
+                              "YaRN off)")
+        scaling = RopeScaling(factor=model_cfg.yarn_factor, rope_type="yarn",
+                              original_max_position_embeddings=model_cfg.yarn_original_positions)
+        args = dataclasses.replace(args, rope_scaling=scaling,
+                                   max_seq_len=int(model_cfg.yarn_factor * model_cfg.yarn_original_positions))
     return dataclasses.replace(args, attention=model_cfg.attention, freeze_router=model_cfg.freeze_router)
 
 

@@ -157,8 +157,15 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = src.get("rope_type", src.get("type", "default"))
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "yarn":
+        known = {f: src[f] for f in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                                     "truncate") if src.get(f) is not None}
+        original = src.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        factor = src.get("factor") or cfg["max_position_embeddings"] / original
+        return float(theta), RopeScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                                         rope_type="yarn", **known)
     if rope_type != "llama3":
-        raise ValueError(f"config.json: RoPE type '{rope_type}' is not supported (supported: default, llama3)")
+        raise ValueError(f"config.json: RoPE type '{rope_type}' is not supported (supported: default, llama3, yarn)")
     return float(theta), RopeScaling(
         factor=float(src["factor"]),
         low_freq_factor=float(src["low_freq_factor"]),
@@ -231,7 +238,14 @@ def hf_config_from_args(args: TransformerArgs, model_type: str, architecture: st
     """
     dtype_name = str(dtype).removeprefix("torch.")
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling is not None:
+    if args.rope_scaling is not None and args.rope_scaling.rope_type == "yarn":
+        s = args.rope_scaling
+        rope_parameters = {"rope_type": "yarn", "rope_theta": args.rope_theta, "factor": s.factor,
+                           "original_max_position_embeddings": s.original_max_position_embeddings,
+                           "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
+        rope_parameters.update({f: getattr(s, f) for f in ("attention_factor", "mscale", "mscale_all_dim")
+                                if getattr(s, f) is not None})
+    elif args.rope_scaling is not None:
         s = args.rope_scaling
         rope_parameters = {
             "rope_type": "llama3",

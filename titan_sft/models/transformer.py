@@ -1,7 +1,8 @@
 """The decoder shared by Qwen3 and Llama 3, in plain PyTorch.
 
 The two families differ only in numbers and two switches: Qwen3 normalises queries and keys per head
-(``qk_norm``) before RoPE; Llama 3.1 scales RoPE frequencies (``rope_scaling``). Everything else (pre-norm
+(``qk_norm``) before RoPE; Llama 3.1 scales RoPE frequencies (``rope_scaling``; Qwen3's YaRN context extension is
+the same switch). Everything else (pre-norm
 blocks, GQA attention, SwiGLU MLP, no biases, RMSNorm computed in fp32) is the same, so one file serves both and
 reads in one pass. With ``n_experts > 0`` (Qwen3-MoE) the MLP of the layers ``moe_layer_ids`` picks is a routed
 mixture of experts (``models.moe``); such a block returns its router statistics beside the hidden states, and
@@ -27,12 +28,36 @@ from titan_sft.models.moe import MoE, RouterStats, moe_layer_ids
 
 @dataclass
 class RopeScaling:
-    """Llama 3.1 ("llama3") RoPE frequency scaling."""
+    """RoPE frequency scaling as HF configs write it: Llama 3.1's ("llama3") or YaRN ("yarn": Qwen3's context
+    extension, e.g. factor 4 over 32768 original positions for 131072)."""
 
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept (extrapolated)
+    beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by factor (interpolated)
+    attention_factor: float | None = None  # yarn: cos/sin scale; None: from factor (and mscale, mscale_all_dim)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(args: "TransformerArgs") -> float:
+    """The factor YaRN scales cos and sin by (1.0 for every other RoPE), as transformers computes it."""
+    s = args.rope_scaling
+    if s is None or s.rope_type != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.mscale and s.mscale_all_dim:
+        return float(_yarn_mscale(s.factor, s.mscale) / _yarn_mscale(s.factor, s.mscale_all_dim))
+    return _yarn_mscale(s.factor)
 
 
 @dataclass
@@ -81,12 +106,14 @@ class TransformerArgs:
 
 
 def rope_inv_freq(args: TransformerArgs, device: torch.device | None = None) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim / 2] in fp32, computed exactly as HF does (with llama3 scaling)."""
+    """Inverse RoPE frequencies [head_dim / 2] in fp32, computed exactly as HF does (with llama3 or yarn scaling)."""
     exps = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float() / args.head_dim
     inv_freq = 1.0 / (args.rope_theta**exps)
     s = args.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(args, device)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -100,11 +127,35 @@ def rope_inv_freq(args: TransformerArgs, device: torch.device | None = None) -> 
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (fp32 math, cast like HF)."""
+def _yarn_inv_freq(args: "TransformerArgs", device) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than ``beta_slow`` times over the original context are
+    divided by ``factor``, those above ``beta_fast`` kept, with a linear ramp over the dimensions in between."""
+    s, dim, base = args.rope_scaling, args.head_dim, args.rope_theta
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (unchanged frequency), 0: interpolate (divided by factor)
+    return (1.0 / (s.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    """cos, sin [B, 1, T, head_dim] for integer positions [B, T] (fp32 math, times YaRN's ``scale``, cast like HF)."""
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -273,7 +324,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)
         if positions is None:
             positions = self.backend.default_positions(t, input_ids.device)  # 0..T-1 of the (unsharded) row
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype,
+                                rope_attention_factor(self.args))
         mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens)
         stats = []
         for layer in self.layers.values():
