@@ -60,3 +60,25 @@ def test_registry_lookup_and_register():
     with pytest.raises(ValueError, match="already registered"):
         register_train_spec(custom)
     assert isinstance(custom, TrainSpec)
+
+
+@pytest.mark.parametrize("name,cp,heads", [("qwen3_8b_32k", 2, "16,384 on this rank at cp 2"),
+                                           ("qwen3_8b_128k", 8, "16,384 on this rank at cp 8")])
+def test_long_context_configs_plan_context_parallel(name, cp, heads, monkeypatch):
+    """The long-context variants keep the 8B recipe's values and plan cp ranks per row with the activation
+    estimate; the 128k one extends RoPE with YaRN (factor 4 over 32768 positions) up to 131072 positions."""
+    from titan_sft.hf_io import model_args
+
+    c = load_config(ROOT / "train_configs" / f"{name}.toml", ["--model.init_from_hf", "false"])
+    base = load_config(ROOT / "train_configs" / "qwen3_8b.toml")
+    assert (c.optimizer, c.lr_scheduler, c.training.global_batch_size, c.training.loss_groups) == (
+        base.optimizer, base.lr_scheduler, base.training.global_batch_size, base.training.loss_groups)
+    assert c.parallelism.cp == cp and c.parallelism.cp_mode == "ulysses"
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    text = dry_run(c)
+    assert f"context parallel {cp} (ulysses)" in text and heads in text
+    args = model_args(c.model, get_train_spec("qwen3"))
+    if name == "qwen3_8b_128k":
+        assert args.rope_scaling.rope_type == "yarn" and args.rope_scaling.factor == 4.0 and args.max_seq_len == 131072
+    else:
+        assert args.rope_scaling is None

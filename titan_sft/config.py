@@ -108,6 +108,8 @@ class Data:
     sources: list[DataSource] = doc([], "a weighted mixture instead of data.path: [[data.sources]] tables with "
                                         "name, path, weight and max_epochs (docs: README, Data mixtures)")
     shuffle: bool = doc(False, "visit packs in a seeded random order instead of the recipe's sequential one")
+    seq_len: int = doc(0, "the packed row length the data must have (0: as prepared); a dry run plans activation "
+                          "memory with it before the data exists")
     shuffle_seed: int = doc(0, "seed of that order")
     reshuffle_each_epoch: bool = doc(False, "with shuffle: a new seeded order every epoch (the reference diffusion "
                                             "trainer) instead of one order repeated")

@@ -64,6 +64,9 @@ class Trainer:
                                                pin_memory=d.device.type == "cuda")
         self.dataset, self.sampler = self.loader.dataset, self.loader.sampler
         self.seq_len = self.dataset.seq_len
+        if cfg.data.seq_len and cfg.data.seq_len != self.seq_len:
+            raise ConfigError(f"config key 'data.seq_len': {cfg.data.seq_len}, but the packed data has rows of "
+                              f"{self.seq_len} tokens (prepare it with --seq-len {cfg.data.seq_len}, or set 0)")
         self.objective.check_dataset(self.dataset)
         self.total_steps = total_steps(cfg, self.sampler.n_packs, getattr(self.sampler, "available", math.inf))
 
