@@ -26,7 +26,7 @@ from titan_sft.registry import register_converter
 
 def leaky_attention(model, cfg, device):
     """Attention that ignores document boundaries: one causal mask over the whole row."""
-    model.backend.prepare = lambda batch, seqlen, device, cu_seqlens: AttentionMask(causal=model.backend.causal)
+    model.backend.prepare = lambda batch, seqlen, device, cu_seqlens, dtype=None: AttentionMask(causal=model.backend.causal)
 
 
 register_converter("leaky_attention", leaky_attention)
@@ -44,7 +44,7 @@ def debug_model(causal=True):
 def test_isolation_check_passes_on_sdpa_and_fails_on_a_leaking_backend(causal):
     model = debug_model(causal)
     check_document_isolation(model, 512, 256, torch.device("cpu"), "sdpa", causal)
-    model.backend.prepare = lambda b, t, device, cu: AttentionMask(causal=causal)  # ignores cu_seqlens
+    model.backend.prepare = lambda b, t, device, cu, dtype=None: AttentionMask(causal=causal)  # ignores cu_seqlens
     with pytest.raises(StartupCheckError, match="document 2's hidden states changed when document 1 changed"):
         check_document_isolation(model, 512, 256, torch.device("cpu"), "sdpa", causal)
 
@@ -54,10 +54,10 @@ def test_bidirectional_leak_into_the_earlier_document_is_caught():
     model = debug_model(causal=False)
     real_prepare = model.backend.prepare
 
-    def backwards_leak(b, t, device, cu):
-        mask = real_prepare(b, t, device, cu)
+    def backwards_leak(b, t, device, cu, dtype=None):
+        mask = real_prepare(b, t, device, cu, dtype)
         mask.dense = mask.dense.clone()
-        mask.dense[..., : t // 2, t // 2 :] = True  # document 1 may see document 2, not the other way round
+        mask.dense[..., : t // 2, t // 2 :] = 0.0  # (additive) document 1 may see document 2, not the other way round
         return mask
 
     model.backend.prepare = backwards_leak

@@ -109,6 +109,14 @@ def dense_document_mask(cu_seqlens: torch.Tensor, total: int, causal: bool, rows
     return mask.unsqueeze(1)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A boolean attention mask as sdpa adds it to the scores: 0 where allowed, -inf elsewhere (``dtype`` None:
+    the boolean mask itself)."""
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 @dataclass
 class AttentionMask:
     """What a backend needs to mask one forward; built once per forward, shared by every layer."""
@@ -116,7 +124,7 @@ class AttentionMask:
     causal: bool
     cu_seqlens: torch.Tensor | None = None  # int32 [n_docs + 1]; None = one document per row
     max_seqlen: int = 0
-    dense: torch.Tensor | None = None  # sdpa: bool [B, 1, T, T]
+    dense: torch.Tensor | None = None  # sdpa: [B, 1, T, T], bool or (given a dtype) additive 0 / -inf
     block_mask: Any = None  # flex: BlockMask
 
 
@@ -133,8 +141,13 @@ class AttentionBackend:
         """RoPE positions [1, seqlen] of rows given without positions: 0..seqlen-1 (broadcast over rows)."""
         return torch.arange(seqlen, device=device).unsqueeze(0)
 
-    def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> AttentionMask:
-        """Builds the mask for a forward over ``[batch, seqlen]`` tokens (``cu_seqlens`` over the flattened rows)."""
+    def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None,
+                dtype: torch.dtype | None = None) -> AttentionMask:
+        """Builds the mask for a forward over ``[batch, seqlen]`` tokens (``cu_seqlens`` over the flattened rows).
+
+        ``dtype`` (the compute dtype): sdpa's dense mask is made additive (0 / -inf) in it once here. sdpa turns a
+        boolean mask into exactly that on every call, and the CPU kernel keeps each layer's copy for backward; one
+        shared copy keeps one [T, T] mask per forward instead of one per layer (the numbers are the same)."""
         if cu_seqlens is None:
             if self.backend == "sdpa":
                 return AttentionMask(causal=self.causal)
@@ -144,7 +157,7 @@ class AttentionBackend:
         total = batch * seqlen
         if self.backend == "sdpa":
             dense = dense_document_mask(cu_seqlens, total, self.causal, rows=batch)
-            return AttentionMask(self.causal, cu_seqlens, dense=dense)
+            return AttentionMask(self.causal, cu_seqlens, dense=additive_mask(dense, dtype))
         if self.backend == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 

@@ -326,7 +326,7 @@ class Transformer(nn.Module):
             positions = self.backend.default_positions(t, input_ids.device)  # 0..T-1 of the (unsharded) row
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype,
                                 rope_attention_factor(self.args))
-        mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens)
+        mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens, h.dtype)
         stats = []
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_sft.models.attention import AttentionBackend, AttentionMask, segment_ids
+from titan_sft.models.attention import AttentionBackend, AttentionMask, additive_mask, segment_ids
 
 CP_MODES = ("ulysses", "ring")
 
@@ -114,15 +114,16 @@ class ContextParallelAttention:
             return self.inner.default_positions(seqlen, device)
         return self.shard.index(seqlen * self.shard.size, device=device).unsqueeze(0)
 
-    def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> AttentionMask:
+    def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None,
+                dtype: torch.dtype | None = None) -> AttentionMask:
         if not self.active:
-            return self.inner.prepare(batch, seqlen, device, cu_seqlens)
+            return self.inner.prepare(batch, seqlen, device, cu_seqlens, dtype)
         total = seqlen * self.shard.size
         if self.mode == "ulysses":  # after the exchange every rank holds whole rows: the unsharded masks
-            return self.inner.prepare(batch, total, device, cu_seqlens)
-        return self._ring_mask(batch, total, device, cu_seqlens)
+            return self.inner.prepare(batch, total, device, cu_seqlens, dtype)
+        return self._ring_mask(batch, total, device, cu_seqlens, dtype)
 
-    def _ring_mask(self, batch: int, total: int, device, cu_seqlens) -> AttentionMask:
+    def _ring_mask(self, batch: int, total: int, device, cu_seqlens, dtype) -> AttentionMask:
         """Rows of the document mask for this rank's queries against the gathered keys (rank-major order)."""
         causal = self.causal
         if cu_seqlens is None:
@@ -135,7 +136,7 @@ class ContextParallelAttention:
             dense = seg[:, q_pos, None] == seg[:, None, k_pos]
             if causal:
                 dense &= q_pos[:, None] >= k_pos[None, :]
-            return AttentionMask(causal, cu_seqlens, dense=dense.unsqueeze(1))
+            return AttentionMask(causal, cu_seqlens, dense=additive_mask(dense.unsqueeze(1), dtype))
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q_idx, kv_idx):
