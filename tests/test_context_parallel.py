@@ -102,8 +102,9 @@ def one_rank(tmp_path_factory):
 
 CP_LAYOUTS = {  # name: (processes, overrides)
     "cp2": (2, ["--parallelism.cp", "2"]),
+    "cp2_ring": (2, ["--parallelism.cp", "2", "--parallelism.cp_mode", "ring"]),
     "fsdp2_cp2_selective_ac": (4, ["--parallelism.cp", "2", "--training.activation_checkpoint", "selective"]),
-    "cp2_ring_tp2": (4, ["--parallelism.cp", "2", "--parallelism.cp_mode", "ring", "--parallelism.tp", "2"]),
+    "cp2_tp2": (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"]),
 }
 
 
@@ -182,12 +183,10 @@ def test_invalid_context_parallel_layouts_fail_with_one_line():
     with pytest.raises(ConfigError, match="with parallelism.ep = 2 is not supported"):
         check_layout(load_config(None, ["--parallelism.cp", "2", "--parallelism.ep", "2"]), 4)
     with pytest.raises(ConfigError, match="must divide the packed sequence length 100 into 8 equal parts"):
-        check_context_parallel(4, "ring", 1, 8, 2, 100, "sdpa", 0)
+        check_context_parallel(4, "ring", 1, 8, 2, 100, "sdpa")
     with pytest.raises(ConfigError, match="ulysses gives each of the 4 cp ranks whole attention heads, but there "
                                           "are 2 per tp rank"):
-        check_context_parallel(4, "ulysses", 2, 4, 2, 256, "sdpa", 0)
+        check_context_parallel(4, "ulysses", 2, 4, 2, 256, "sdpa")
     with pytest.raises(ConfigError, match="'ring' needs model.attention 'sdpa' or 'flex'"):
-        check_context_parallel(2, "ring", 1, 4, 2, 256, "varlen", 0)
-    with pytest.raises(ConfigError, match="not supported yet for models with routed experts"):
-        check_context_parallel(2, "ulysses", 1, 4, 2, 256, "sdpa", 8)
-    check_context_parallel(2, "ulysses", 2, 8, 2, 256, "flash_varlen", 0)  # kv heads fewer than cp: repeated
+        check_context_parallel(2, "ring", 1, 4, 2, 256, "varlen")
+    check_context_parallel(2, "ulysses", 2, 8, 2, 256, "flash_varlen")  # kv heads fewer than cp: repeated

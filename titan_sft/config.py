@@ -667,7 +667,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, i
         raise ConfigError(f"config key 'parallelism.ep': {p.ep} must be a positive divisor of the FSDP shards "
                           f"per replica (dp_shard = {shard}): expert-parallel ranks are data-parallel ranks")
     if p.cp > 1 and p.ep > 1:
-        raise ConfigError(f"config key 'parallelism.cp': {p.cp} with parallelism.ep = {p.ep} is not supported "
+        raise ConfigError(f"config key 'parallelism.cp': {p.cp} with parallelism.ep = {p.ep} is not supported yet "
                           "(set one of them to 1)")
     if t.global_batch_size % dp:
         raise ConfigError(f"config key 'training.global_batch_size': {t.global_batch_size} must be divisible by the "
@@ -708,7 +708,7 @@ def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_e
 
 
 def check_context_parallel(cp: int, mode: str, tp: int, n_heads: int, n_kv_heads: int, seq_len: int,
-                           attention: str, n_experts: int) -> None:
+                           attention: str) -> None:
     """Context parallel cuts every row into equal shards (ring: two chunks per rank), each still divisible by tp
     for sequence parallel; Ulysses hands each cp rank whole heads of the tp rank's share."""
     if cp == 1:
@@ -725,10 +725,6 @@ def check_context_parallel(cp: int, mode: str, tp: int, n_heads: int, n_kv_heads
     if mode == "ring" and attention not in ("sdpa", "flex"):
         raise ConfigError(f"config key 'parallelism.cp_mode': 'ring' needs model.attention 'sdpa' or 'flex' (the "
                           f"varlen kernels take no per-query positions), not '{attention}'; or use 'ulysses'")
-    if n_experts:
-        raise ConfigError(f"config key 'parallelism.cp': {cp} is not supported yet for models with routed experts "
-                          "(the load-balancing loss is not linear in the tokens: each shard's would differ from the "
-                          "row's); set it to 1")
 
 
 def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:

@@ -225,7 +225,7 @@ def dry_run(cfg: JobConfig) -> str:
     L = L or cfg.data.seq_len or None
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
     check_context_parallel(cp, cfg.parallelism.cp_mode, tp, args.n_heads, args.n_kv_heads,
-                           L or cp * tp * 2, attention, args.n_experts)
+                           L or cp * tp * 2, attention)
     check_expert_parallel(ep, args.n_experts, cfg.training.compile, "lora" in cfg.model.converters and cfg.lora.experts)
     plan = spec.tp_plan_fn()
     dtype_bytes = 2 if cfg.training.param_dtype == "bfloat16" else 4

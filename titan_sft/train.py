@@ -78,13 +78,14 @@ class Trainer:
         self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len)
         check_context_parallel(d.dims.cp, cfg.parallelism.cp_mode, d.dims.tp, self.args.n_heads,
-                               self.args.n_kv_heads, self.seq_len, cfg.model.attention, self.args.n_experts)
+                               self.args.n_kv_heads, self.seq_len, cfg.model.attention)
         check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile,
                               "lora" in cfg.model.converters and cfg.lora.experts)
         with torch.device("meta"):
             model = spec.model_cls(self.args)
         spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
-        self.objective.shard_sequence(sequence_shard(model))  # context parallel: each rank's part of the rows
+        # context parallel: each rank's part of the rows
+        self.objective.shard_sequence(sequence_shard(model), d.mesh["cp"].get_group())
         model.to_empty(device=d.device)
         self._init_weights(model)
         self.model = model

@@ -67,7 +67,7 @@ class Objective:
         self.cfg = cfg
         self.dp_group = None  # the data-parallel process group (None: all ranks); set by bind()
         self.loss_group = None  # the data-parallel x context-parallel group (None: all ranks); set by bind()
-        self.cp = None  # this rank's SequenceShard under context parallel; set by shard_sequence()
+        self.cp = self.cp_group = None  # this rank's SequenceShard and the cp ranks; set by shard_sequence()
 
     def bind(self, dp_group, loss_group=None) -> None:
         """Tells the objective which ranks hold different data (``dp_group``: tensor- and context-parallel ranks
@@ -76,10 +76,10 @@ class Objective:
         self.dp_group = dp_group
         self.loss_group = dp_group if loss_group is None else loss_group
 
-    def shard_sequence(self, shard) -> None:
+    def shard_sequence(self, shard, group=None) -> None:
         """Under context parallel (``shard``: this rank's ``parallel.context_parallel.SequenceShard``; None
-        without) every forward runs on this rank's part of the rows (:meth:`local`)."""
-        self.cp = shard
+        without; ``group``: the cp ranks) every forward runs on this rank's part of the rows (:meth:`local`)."""
+        self.cp, self.cp_group = shard, group
 
     def local(self, mb: Any) -> Any:
         """This rank's part of microbatch ``mb`` under context parallel (``mb.shard``), else ``mb`` itself."""
@@ -119,17 +119,37 @@ class Objective:
 
         args, o = model.args, self.cfg.objective
         coef = args.router_aux_loss_coef if o.router_aux_loss_coef < 0 else o.router_aux_loss_coef
+        share = 1.0
+        if self.cp is not None:  # the routers' statistics of the whole rows, then each cp rank adds its share
+            stats, share = self._rows_router_stats(stats), 1.0 / self.cp.size
         aux, z = load_balancing_loss(stats, args.n_experts), router_z_loss(stats)
         self._n_experts, self._moe_layers = args.n_experts, args.moe_layers()
         counts = torch.stack([s.counts for s in stats])
-        done = torch.cat([torch.stack([aux.detach(), z.detach()]).double(), counts.double().flatten()])
+        done = share * torch.cat([torch.stack([aux.detach(), z.detach()]).double(), counts.double().flatten()])
         self._router_sums = done if getattr(self, "_router_sums", None) is None else self._router_sums + done
         forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
         if coef:
-            loss = loss + (coef / forwards) * aux
+            loss = loss + (share * coef / forwards) * aux
         if o.router_z_loss_coef:
-            loss = loss + (o.router_z_loss_coef / forwards) * z
+            loss = loss + (share * o.router_z_loss_coef / forwards) * z
         return loss
+
+    def _rows_router_stats(self, stats: list) -> list:
+        """Under context parallel: every MoE layer's router statistics summed over the cp ranks (differentiably),
+        i.e. those of the whole rows. The load-balancing loss is a product of two token means, so the shards'
+        own losses would not add up to the row's; every cp rank computes the row's and adds 1 / cp of it (the
+        all-reduce's backward sums the gradients back onto each rank's tokens)."""
+        from titan_sft.models.moe import RouterStats
+        from titan_sft.parallel import comm
+
+        group = self.cp_group
+        out = []
+        for s in stats:
+            counts = comm.all_reduce(s.counts.detach().clone(), group=group, what="router counts over cp")
+            prob = comm.all_reduce_autograd(s.prob_sum, group, what="router probabilities over cp")
+            z = comm.all_reduce_autograd(s.z_sum, group, what="router z-loss over cp")
+            out.append(RouterStats(counts, prob, z, s.n_tokens * self.cp.size))
+        return out
 
     def step_sums(self) -> list[torch.Tensor]:
         """This rank's sums for the step's all-reduce (the same number on every rank and step); reset each step.

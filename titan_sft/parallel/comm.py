@@ -69,6 +69,14 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None, what: str = "a
     return t
 
 
+def all_reduce_autograd(t: torch.Tensor, group, what: str = "all_reduce") -> torch.Tensor:
+    """The sum of ``t`` over ``group``, differentiable (the gradient is summed over the group on the way back)."""
+    from torch.distributed.nn.functional import all_reduce as all_reduce_fn
+
+    _check(t, what)
+    return all_reduce_fn(t, group=group)
+
+
 def broadcast(t: torch.Tensor, src: int = 0, group=None, what: str = "broadcast") -> torch.Tensor:
     """In-place broadcast of ``t`` from global rank ``src`` (returned); a no-op without a process group."""
     _check(t, what)
