@@ -104,6 +104,7 @@ CP_LAYOUTS = {  # name: (processes, overrides)
     "cp2": (2, ["--parallelism.cp", "2"]),
     "cp2_ring": (2, ["--parallelism.cp", "2", "--parallelism.cp_mode", "ring"]),
     "fsdp2_cp2_selective_ac": (4, ["--parallelism.cp", "2", "--training.activation_checkpoint", "selective"]),
+    "hsdp2_cp2": (4, ["--parallelism.cp", "2", "--parallelism.dp_replicate", "2"]),
     "cp2_tp2": (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"]),
 }
 

@@ -99,7 +99,7 @@ def test_loss_parallel_halves_loss_memory_per_rank():
 
 def test_invalid_meshes_fail_with_one_line():
     cfg = load_config(None, ["--parallelism.tp", "2", "--parallelism.dp_shard", "3"])
-    with pytest.raises(ConfigError, match=r"dp_replicate=1 x dp_shard=3 x tp=2 does not multiply to the world size 4"):
+    with pytest.raises(ConfigError, match=r"dp_replicate=1 x dp_shard=3 x cp=1 x tp=2 does not multiply to the world size 4"):
         check_layout(cfg, 4)
     cfg = load_config(None, ["--training.global_batch_size", "6"])
     with pytest.raises(ConfigError, match="global_batch_size': 6 must be divisible by the data-parallel ranks \\(4\\)"):
@@ -120,8 +120,8 @@ def test_invalid_mesh_stops_before_the_model_is_built(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: config key 'parallelism': dp_replicate=1 x dp_shard=-1 x tp=3 does not multiply to "
-                      "the world size 1"], r.stderr[-2000:]
+    assert errors == ["error: config key 'parallelism': dp_replicate=1 x dp_shard=-1 x cp=1 x tp=3 does not multiply "
+                      "to the world size 1"], r.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
 
@@ -132,7 +132,7 @@ def test_dry_run_prints_mesh_plan_and_memory(monkeypatch):
     cfg = load_config(ROOT / "train_configs" / "qwen3_8b.toml", [
         "--data.path", "titan_sft/assets/debug_data/packed", "--model.init_from_hf", "false", "--parallelism.tp", "2"])
     text = dry_run(cfg)
-    assert "mesh: dp_replicate 1 x dp_shard 8 x tp 2 = 16 ranks" in text
+    assert "mesh: dp_replicate 1 x dp_shard 8 x cp 1 x tp 2 = 16 ranks" in text
     assert "layers.*.attention.q_norm: replicated weight on the local heads" in text
     assert "output: vocab-parallel head" in text
     # Qwen3-8B: 8.19B parameters, ~all split 2 (tp) x 8 (FSDP) ways, fp32: 1.91 GiB each of params and grads
