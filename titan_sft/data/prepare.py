@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -316,8 +317,9 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
     _SPLIT = (seq_len, split_history) if overlength == "split" else None
     stats = Stats()
     bar = Progress(progress)
-    lens: list[int] = []
-    kept: list[tuple[int, int]] = []  # (input index, line number) of every kept conversation
+    # Compact per-document records (8 bytes per number, not a Python object each: millions of documents).
+    lens = array("q")
+    kept = array("q")  # input index, line number of every kept document, interleaved
     file_index = {s.label: i for i, s in enumerate(sources)}
     tok_f = open(tmp / "_scratch_tokens.bin", "wb")
     mask_f = open(tmp / "_scratch_mask.bin", "wb")
@@ -348,7 +350,7 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
                         tok_f.write(ids.tobytes())
                         mask_f.write(mask.tobytes())
                         lens.append(len(ids))
-                        kept.append((file_index[file], lineno))
+                        kept.extend((file_index[file], lineno))
                     continue
                 _, ids, mask, file, lineno = res
                 stats.conversations += 1
@@ -367,7 +369,7 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
                 tok_f.write(ids.tobytes())
                 mask_f.write(mask.tobytes())
                 lens.append(len(ids))
-                kept.append((file_index[file], lineno))
+                kept.extend((file_index[file], lineno))
             bar.update(stats)
     finally:
         if pool:
@@ -383,7 +385,8 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
     if not lens:
         raise PrepareError("no usable conversations in the input")
 
-    lens_arr = np.asarray(lens, dtype=np.int64)
+    lens_arr = np.frombuffer(lens, dtype=np.int64)
+    kept = np.frombuffer(kept, dtype=np.int64).reshape(-1, 2)
     packs = (pack_bfd if packing == "bfd" else pack_greedy)(lens_arr, seq_len, max_docs)
     n_packs = len(packs)
     starts = np.concatenate([[0], np.cumsum(lens_arr)])
