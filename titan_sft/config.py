@@ -666,9 +666,6 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, i
     if p.ep < 1 or shard % p.ep:
         raise ConfigError(f"config key 'parallelism.ep': {p.ep} must be a positive divisor of the FSDP shards "
                           f"per replica (dp_shard = {shard}): expert-parallel ranks are data-parallel ranks")
-    if p.cp > 1 and p.ep > 1:
-        raise ConfigError(f"config key 'parallelism.cp': {p.cp} with parallelism.ep = {p.ep} is not supported yet "
-                          "(set one of them to 1)")
     if t.global_batch_size % dp:
         raise ConfigError(f"config key 'training.global_batch_size': {t.global_batch_size} must be divisible by the "
                           f"data-parallel ranks ({dp})")

@@ -26,7 +26,7 @@ class DistInfo:
     local_rank: int
     device: torch.device
     dims: ParallelDims
-    mesh: DeviceMesh  # (dp_replicate, dp_shard_mod_ep, ep, cp, tp)
+    mesh: DeviceMesh  # (dp_replicate, dp_shard_mod_ep, cp, ep, tp)
     dp_flat: DeviceMesh  # the data-parallel ranks as one dimension
     dp_cp: DeviceMesh  # the data-parallel and context-parallel ranks as one dimension
 

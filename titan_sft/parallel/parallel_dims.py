@@ -1,16 +1,19 @@
 """The device mesh of a run, from [parallelism] and the world size.
 
-One 5-D mesh ``(dp_replicate, dp_shard_mod_ep, ep, cp, tp)`` (sizes may be 1) with named sub-meshes:
+One 5-D mesh ``(dp_replicate, dp_shard_mod_ep, cp, ep, tp)`` (sizes may be 1) with named sub-meshes:
 
 * ``dp_shard`` = (dp_shard_mod_ep, ep) flattened: the data-parallel ranks within a replica;
-* ``dp_shard_cp`` = (dp_shard_mod_ep, ep, cp) flattened, and (dp_replicate, dp_shard_cp): what FSDP2 shards every
+* ``dp_shard_cp`` = (dp_shard_mod_ep, cp, ep) flattened, and (dp_replicate, dp_shard_cp): what FSDP2 shards every
   parameter but the experts over (HSDP: replicate across groups, shard within); the cp ranks hold different
   tokens of the same rows, so their gradients are summed like those of other data-parallel ranks;
 * ``dp_flat``: the data-parallel ranks as one dimension, the group of every reduction over data (token counts);
 * ``dp_cp``: the data-parallel and cp ranks as one dimension, the group of reductions over computed losses;
 * ``cp``: context parallel (``parallel.context_parallel``): ranks that read the same rows and each run a part;
 * ``ep``: expert parallel, data-parallel ranks that each hold ``n_experts / ep`` experts and exchange tokens; the
-  experts are FSDP-sharded over (dp_replicate, dp_shard_mod_ep), the ranks holding the same experts;
+  experts are FSDP-sharded over (dp_replicate, dp_shard_mod_ep_cp), the ranks holding the same experts (the cp
+  ranks among them route other tokens of the same rows to them). cp sits before ep in the mesh so that
+  (dp_shard_mod_ep, cp) are adjacent dimensions: DTensor redistributes the experts' 2-D shards over a flattened
+  mesh only when its dimensions come in order;
 * ``tp``: tensor/sequence parallel; its ranks see the same data and hold slices of the same layers.
 """
 
@@ -44,11 +47,12 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
         """The 5-D mesh, its flattened data-parallel sub-mesh and the data-parallel x cp one (kept, not sliced
         again from the root)."""
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp"))
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.cp, self.ep, self.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp"))
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
-        dp_cp = mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
+        mesh["dp_shard_mod_ep", "cp", "ep"]._flatten("dp_shard_cp")
+        mesh["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+        dp_cp = mesh["dp_replicate", "dp_shard_mod_ep", "cp", "ep"]._flatten("dp_cp")
         return mesh, mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp_flat"), dp_cp
 
     def describe(self) -> str:

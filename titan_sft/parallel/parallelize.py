@@ -162,7 +162,7 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     """Applies the layout and features the config selects to ``model`` (in place).
 
     Args:
-        mesh: the run's (dp_replicate, dp_shard_mod_ep, ep, cp, tp) mesh (``ParallelDims.build_mesh``).
+        mesh: the run's (dp_replicate, dp_shard_mod_ep, cp, ep, tp) mesh (``ParallelDims.build_mesh``).
         tp_plan: the family's tensor-parallel plan, applied when the tp dimension is larger than 1.
     """
     t = cfg.training
@@ -197,6 +197,6 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
     if t.compile:
         apply_compile(model)
-    experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["ep"].size() > 1 else None
+    experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep_cp"] if mesh["ep"].size() > 1 else None
     apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
     return model
