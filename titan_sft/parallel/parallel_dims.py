@@ -51,7 +51,8 @@ class ParallelDims:
                                 mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp"))
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         mesh["dp_shard_mod_ep", "cp", "ep"]._flatten("dp_shard_cp")
-        mesh["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+        if self.ep > 1 and self.cp > 1:  # the experts' FSDP ranks (a group made only where it differs)
+            mesh["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
         dp_cp = mesh["dp_replicate", "dp_shard_mod_ep", "cp", "ep"]._flatten("dp_cp")
         return mesh, mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp_flat"), dp_cp
 

@@ -197,6 +197,8 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
     if t.compile:
         apply_compile(model)
-    experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep_cp"] if mesh["ep"].size() > 1 else None
+    experts_mesh = None
+    if mesh["ep"].size() > 1:  # the ranks holding the same experts: FSDP over them (and over cp, where it exists)
+        experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep_cp" if mesh["cp"].size() > 1 else "dp_shard_mod_ep"]
     apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
     return model
