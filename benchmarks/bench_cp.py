@@ -13,46 +13,22 @@ for each layout: they agree (context parallel is exact).
 """
 
 import argparse
-import json
-import os
-import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_layouts import measure as run_layout  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(data: str, nproc: int, steps: int, overrides: list[str]) -> None:
-    """Runs one training job; prints its median step time, first loss and the peak RSS of its ranks."""
-    with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "titan_sft.train", "--config", "train_configs/debug_model.toml", "--job.custom_imports", "bench_families",
-               "--model.name", "qwen3_bench", "--model.flavor", "50M", "--data.path", data,
-               "--training.steps", str(steps), "--training.global_batch_size", "1", "--training.loss_groups", "1",
-               "--training.param_dtype", "float32", "--training.loss_chunk_size", "2048",
-               "--checkpoint.enable", "false", "--checkpoint.hf_export_interval", "-1",
-               "--validation.generation_eval_path", "", "--metrics.enable_tensorboard", "false",
-               "--metrics.log_freq", "1", "--training.skip_startup_checks", "true", "--job.dump_folder", dump,
-               *overrides]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(proc.stdout[-2000:] + proc.stderr[-2000:])
-        records = [json.loads(x) for x in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # MiB, the largest rank
-    print(json.dumps({"step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
-                      "loss_1": records[0]["loss"], "peak_rss_mib": peak}))
-
-
 def measure(data: str, nproc: int, steps: int, overrides: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", data, str(nproc), str(steps), *overrides],
-                          capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"{overrides}: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """One training run (bench_layouts' child): the ~50M flavor on one pack of ``data`` per step."""
+    return run_layout(nproc, steps, ["--model.name", "qwen3_bench", "--model.flavor", "50M", "--data.path", data,
+                                     "--training.global_batch_size", "1", "--training.loss_groups", "1",
+                                     "--training.loss_chunk_size", "2048", *overrides])
 
 
 def main() -> None:
@@ -78,7 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
-    else:
-        main()
+    main()

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def child(nproc: int, steps: int, overrides: list[str]) -> None:
-    """Runs one training job and prints its median step time and the peak RSS of its ranks."""
+    """Runs one training job and prints its median step time, first loss and the peak RSS of its ranks."""
     with tempfile.TemporaryDirectory() as dump:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
                "titan_sft.train", "--config", "train_configs/debug_model.toml", "--job.custom_imports", "bench_families",
@@ -33,9 +33,10 @@ def child(nproc: int, steps: int, overrides: list[str]) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(proc.stdout[-2000:] + proc.stderr[-2000:])
-        times = [json.loads(x)["step_time_s"] for x in (Path(dump) / "metrics.jsonl").read_text().splitlines()][1:]
+        records = [json.loads(x) for x in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # MiB, the largest rank
-    print(json.dumps({"step_time_s": statistics.median(times), "peak_rss_mib": peak}))
+    print(json.dumps({"step_time_s": statistics.median(r["step_time_s"] for r in records[1:]),
+                      "loss_1": records[0]["loss"], "peak_rss_mib": peak}))
 
 
 def measure(nproc: int, steps: int, overrides: list[str]) -> dict:

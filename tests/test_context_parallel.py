@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_parallel import BASE, close, run
+from test_parallel import close, run, run_first_steps_like
 
 from titan_sft.config import ConfigError, check_context_parallel, check_layout, load_config
 from titan_sft.data.collator import collate
@@ -116,12 +116,7 @@ def test_cp_layouts_match_one_rank(one_rank, tmp_path, layout):
     test_parallel); the same token counts. The cp 2 run resumes on one rank and continues the curve (1e-5)."""
     _, base = one_rank
     nproc, overrides = CP_LAYOUTS[layout]
-    records = run(nproc, tmp_path / "run", *overrides, "--training.stop_at_step", "3")
-    tol = 1e-4 if "tp" in layout else 1e-5
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r, b in zip(records, base):
-        assert close(r["loss"], b["loss"], tol) and close(r["grad_norm"], b["grad_norm"], tol), (r, b)
-        assert r["n_loss_tokens"] == b["n_loss_tokens"] and r["n_tokens"] == b["n_tokens"]
+    run_first_steps_like(base, nproc, tmp_path / "run", overrides, 1e-4 if "tp" in layout else 1e-5)
     if layout != "cp2":
         return
     resumed = run(1, tmp_path / "run")
