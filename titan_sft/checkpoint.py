@@ -73,11 +73,20 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
     state = get_model_state_dict(model)
     for alias in tied_aliases(model):
         state.pop(alias, None)
+    # A pipeline's last stage holds its own copy of a tied head: stored under the embedding's name (the values are
+    # equal), so checkpoints are the same for any layout.
+    for own, stored in getattr(model, "state_renames", {}).items():
+        state[stored] = state.pop(own)
     return state
 
 
 def with_aliases(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` from :func:`model_state` with the shared parameters' other keys added back."""
+    renames = getattr(model, "state_renames", {})
+    if renames:
+        state = dict(state)
+        for own, stored in renames.items():
+            state[own] = state.pop(stored)
     return {**state, **{alias: state[name] for alias, name in tied_aliases(model).items() if name in state}}
 
 

@@ -296,6 +296,18 @@ class Parallelism:
     cp_mode: Literal["ulysses", "ring"] = doc(
         "ulysses", "context-parallel attention: 'ulysses' (all-to-all to head shards; any backend, heads per tp "
                    "rank divisible by cp) or 'ring' (keys/values all-gathered, head-tail load balancing; sdpa/flex)")
+    pp: int = doc(1, "pipeline-parallel degree: the layers are cut into stages on pp groups of ranks (the outermost "
+                     "mesh dimension), which pass activations; every pp rank of a data-parallel rank reads its data")
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe"] = doc(
+        "1F1B", "pipeline schedule (torch.distributed.pipelining); Interleaved1F1B and ZBVZeroBubble run "
+                "pp_stages_per_rank stages per rank (ZBV: exactly 2, in a V: rank r holds stages r and 2pp-1-r)")
+    pp_stages_per_rank: int = doc(2, "stages per rank of the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble)")
+    pp_microbatch_size: int = doc(0, "rows per pipeline microbatch; 0 = training.per_device_batch (set, it replaces "
+                                     "per_device_batch: the pipeline's microbatches are the step's microbatches)")
+    pp_layers: list[int] = doc([], "layers per stage, in stage order (they sum to the model's layers); empty = even "
+                                   "split, with pp_first_last_lighter fewer on the first and last stage")
+    pp_first_last_lighter: int = doc(0, "layers fewer on the first and the last stage than on the others (they "
+                                        "also hold the embedding, and the norm and output head); even split only")
     grad_reduce: Literal["per_microbatch", "last_microbatch"] = doc(
         "per_microbatch", "reduce-scatter gradients after every microbatch (sharded memory) or only after the "
                           "last (one collective, but unsharded fp32 gradients in between)")
@@ -513,6 +525,12 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"config key '{key}': got {value!r}, allowed: {allowed}")
 
     t, o, s, c = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
+    pp = cfg.parallelism
+    need(pp.pp_microbatch_size >= 0, "parallelism.pp_microbatch_size", ">= 0 (0: training.per_device_batch)",
+         pp.pp_microbatch_size)
+    need(pp.pp_first_last_lighter >= 0, "parallelism.pp_first_last_lighter", ">= 0", pp.pp_first_last_lighter)
+    if pp.pp > 1 and pp.pp_microbatch_size:
+        t.per_device_batch = pp.pp_microbatch_size  # the pipeline's microbatches are the step's
     need(t.steps >= 0, "training.steps", ">= 0 (0 = training.epochs)", t.steps)
     need(t.epochs >= 1, "training.epochs", ">= 1", t.epochs)
     need(cfg.data.skip_examples >= 0, "data.skip_examples", ">= 0", cfg.data.skip_examples)
@@ -645,14 +663,18 @@ def require_flavor(model_cfg: Model, flavors: dict[str, Any]) -> None:
                           f"allowed: {', '.join(flavors)}")
 
 
-def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, int]:
-    """(dp_replicate, dp_shard, tp, ep, cp) for ``world_size`` ranks, with the batch arithmetic checked.
+def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, int, int]:
+    """(dp_replicate, dp_shard, tp, ep, cp, pp) for ``world_size`` ranks, with the batch arithmetic checked.
 
     Raises:
         ConfigError: the mesh does not multiply to the world size, or the global batch does not split into
             whole per-rank batches of whole microbatches.
     """
     p, t = cfg.parallelism, cfg.training
+    if p.pp < 1 or world_size % p.pp:
+        raise ConfigError(f"config key 'parallelism.pp': {p.pp} must be a positive divisor of the world size "
+                          f"{world_size}")
+    world_size //= p.pp  # the ranks of one pipeline stage; the other dimensions divide them
     if p.cp < 1 or world_size % p.cp:
         raise ConfigError(f"config key 'parallelism.cp': {p.cp} must be a positive divisor of the world size "
                           f"{world_size}")
@@ -661,6 +683,7 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, i
         raise ConfigError(
             f"config key 'parallelism': dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x cp={p.cp} x "
             f"tp={p.tp} does not multiply to the world size {world_size}"
+            + (f" / pp {p.pp}" if p.pp > 1 else "")
         )
     dp = p.dp_replicate * shard
     if p.ep < 1 or shard % p.ep:
@@ -674,7 +697,57 @@ def check_layout(cfg: JobConfig, world_size: int) -> tuple[int, int, int, int, i
             f"config key 'training.per_device_batch': {t.per_device_batch} must divide the per-rank "
             f"batch global_batch_size / ranks = {t.global_batch_size // dp}"
         )
-    return p.dp_replicate, shard, p.tp, p.ep, p.cp
+    if p.pp > 1:
+        check_pipeline_schedule(p.pp, p.pp_schedule, p.pp_stages_per_rank, t.global_batch_size // dp // t.per_device_batch)
+    return p.dp_replicate, shard, p.tp, p.ep, p.cp, p.pp
+
+
+def pipeline_stages_per_rank(schedule: str, stages_per_rank: int) -> int:
+    """Stages each pipeline rank runs: 1 for the single-stage schedules."""
+    return stages_per_rank if schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 1
+
+
+def check_pipeline_schedule(pp: int, schedule: str, stages_per_rank: int, n_microbatches: int) -> None:
+    """The schedule's own rules: microbatches enough to fill the pipeline (interleaved: a multiple of pp), and ZBV's
+    two stages per rank."""
+    v = pipeline_stages_per_rank(schedule, stages_per_rank)
+    if v < 1 or (schedule == "ZBVZeroBubble" and v != 2):
+        raise ConfigError(f"config key 'parallelism.pp_stages_per_rank': {stages_per_rank}; allowed: "
+                          f"{'2 (ZBVZeroBubble runs a V of two stages per rank)' if schedule == 'ZBVZeroBubble' else '>= 1'}")
+    where = "global_batch_size / data-parallel ranks / training.per_device_batch (or parallelism.pp_microbatch_size)"
+    if n_microbatches < pp:
+        raise ConfigError(f"config key 'parallelism.pp': {pp} stages need at least {pp} microbatches per step, got "
+                          f"{n_microbatches} ({where})")
+    if schedule == "Interleaved1F1B" and n_microbatches % pp:
+        raise ConfigError(f"config key 'parallelism.pp_schedule': Interleaved1F1B needs the microbatches per step "
+                          f"({n_microbatches} = {where}) to be a multiple of pp = {pp}")
+
+
+def pipeline_split(n_layers: int, n_stages: int, manual: list[int], lighter: int) -> list[int]:
+    """Layers per stage: ``manual`` when given, else an even split of ``n_layers`` with ``lighter`` fewer layers on
+    the first and last stage (the remainder goes to the middle stages first).
+
+    Raises:
+        ConfigError: the split does not cover the layers, or leaves a stage without a layer.
+    """
+    if manual:
+        if len(manual) != n_stages or sum(manual) != n_layers or min(manual) < 1:
+            raise ConfigError(f"config key 'parallelism.pp_layers': {manual} must list {n_stages} stages of at least one "
+                              f"layer each, summing to the model's {n_layers} layers")
+        return list(manual)
+    # Each stage takes an equal share of n_layers + 2 * lighter; the remainder goes to the middle stages first,
+    # then the ends lose `lighter` each.
+    base, rem = divmod(n_layers + 2 * lighter, n_stages)
+    split = [base] * n_stages
+    for j in (list(range(1, n_stages - 1)) + [0, n_stages - 1])[:rem]:
+        split[j] += 1
+    if n_stages > 1:
+        split[0] -= lighter
+        split[-1] -= lighter
+    if min(split) < 1:
+        raise ConfigError(f"config key 'parallelism.pp_first_last_lighter': {lighter} leaves the first or last of "
+                          f"{n_stages} stages without a layer ({n_layers} layers)")
+    return split
 
 
 def validation_sets(cfg: JobConfig) -> list[tuple[str | None, str, float]]:

@@ -204,7 +204,9 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
 
     out_dir = Path(out_dir)
     tmp = partial_dir(out_dir)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    gather = getattr(model, "full_state_on_rank0", None)  # a pipelined model: its stages live on other ranks
+    full = gather() if gather else get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                                        cpu_offload=True))
     if rank() == 0:
         tdtype = DTYPES[dtype]
         if lora is not None:

@@ -34,6 +34,8 @@ from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, init_sharded, shutdown
 from titan_sft.parallel.context_parallel import sequence_shard
+from titan_sft.parallel.pipeline_parallel import (build_pipelined_model, check_pipeline_parallel, stage_inputs,
+                                                  startup_check_on_first_stage)
 from titan_sft.registry import converter_hook, get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
@@ -81,9 +83,17 @@ class Trainer:
                                self.args.n_kv_heads, self.seq_len, cfg.model.attention)
         check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile,
                               "lora" in cfg.model.converters and cfg.lora.experts)
-        with torch.device("meta"):
-            model = spec.model_cls(self.args)
-        spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
+        check_pipeline_parallel(cfg, self.args)
+        self.pipelined = d.dims.pp > 1
+        if self.pipelined:  # this rank's stages, the loss on the last one
+            n_micro = cfg.training.global_batch_size // d.dp_world // cfg.training.per_device_batch
+            model = build_pipelined_model(spec, self.args, cfg, d.mesh, d.device, self.objective, n_micro,
+                                          self.seq_len)
+            self.stage_inputs = stage_inputs(model.backend)
+        else:
+            with torch.device("meta"):
+                model = spec.model_cls(self.args)
+            spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
         # context parallel: each rank's part of the rows
         self.objective.shard_sequence(sequence_shard(model), d.mesh["cp"].get_group())
         model.to_empty(device=d.device)
@@ -92,7 +102,9 @@ class Trainer:
 
         self.optimizer = spec.build_optimizer_fn(model, cfg.optimizer, cfg.training.global_batch_size)
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, self.total_steps)
-        self.flops = FlopCounter.from_model(model, self.args, self.seq_len, self.objective.causal)
+        with torch.device("meta"):  # under pp a rank holds some layers: count the whole model's
+            counted = spec.model_cls(self.args) if self.pipelined else model
+        self.flops = FlopCounter.from_model(counted, self.args, self.seq_len, self.objective.causal)
         self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps, self.flops)
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
                               cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config,
@@ -204,6 +216,14 @@ class Trainer:
         n_tokens = head_positions = pairs = 0
         mbs = batch.microbatches
         every_mb = self.cfg.parallelism.grad_reduce == "per_microbatch"
+        if self.pipelined:  # the schedule runs every microbatch's forward and backward through the stages
+            for mb in mbs:
+                pairs += self.flops.attention_pairs(mb.cu_seqlens, *mb.input_ids.shape)
+                head_positions += self.objective.head_positions(mb)
+                n_tokens += mb.input_ids.numel()
+            loss_sum = self.model.forward_backward([mb.to(device, non_blocking=True) for mb in mbs],
+                                                   self.stage_inputs)
+            mbs = []
         for k, mb in enumerate(mbs):
             # per microbatch: gradients are reduce-scattered into their shards at once (sharded memory);
             # otherwise they stay whole (fp32) until the last microbatch's backward.
@@ -215,7 +235,11 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
             n_tokens += mb.input_ids.numel()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
+        if self.pipelined:  # the norm over all stages (a tied head's second copy not counted twice)
+            grad_norm = clip_grad_norm_(self.model.counted_parameters(), self.cfg.training.max_grad_norm,
+                                        self.dist.mesh["pp"].get_group(), self.model.tied_copies())
+        else:
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.checkpointer.wait_staged()  # an async save must finish copying the state before it changes
         self.optimizer.step()
@@ -233,11 +257,14 @@ class Trainer:
         """The step's one all-reduce over all ranks, on the compute device: the loss, token and FLOP sums and the
         objective's ``extra`` sums (the tp ranks of a data-parallel rank computed the same loss on the same tokens,
         so only the first of them adds its own; the cp ranks each computed the loss of their part of the rows, and
-        all add it, but the tokens and FLOPs of the whole microbatches only once), whether any rank was signalled,
+        all add it, but the tokens and FLOPs of the whole microbatches only once; under pp the last stage holds
+        the loss and the first counts the tokens), whether any rank was signalled,
         and the checkpointer's votes. Returns the step's loss, tokens, FLOPs and extra sums; keeps the rest for the
         loop."""
-        lead = self.dist.mesh["tp"].get_local_rank() == 0
-        count = lead and self.dist.mesh["cp"].get_local_rank() == 0
+        mesh = self.dist.mesh
+        lead = mesh["tp"].get_local_rank() == 0 and (not self.pipelined or self.model.is_last)
+        count = (mesh["tp"].get_local_rank() == 0 and mesh["cp"].get_local_rank() == 0
+                 and (not self.pipelined or self.model.is_first))
         sums = [x.double().view(1) if lead else torch.zeros(1, dtype=torch.float64, device=x.device)
                 for x in (loss_sum, *extra)]
         local = torch.cat([*sums, comm.tensor([n_tokens if count else 0, flops if count else 0.0,
@@ -261,9 +288,12 @@ class Trainer:
             t = cfg.training
             hint = ("; float8 tensorwise shares one activation scale across the documents of a row, so this is "
                     "expected with it (rowwise keeps them isolated)") if t.float8 and t.float8_recipe == "tensorwise" else ""
-            check_document_isolation(self.model, self.args.vocab_size, self.seq_len, self.dist.device,
-                                     cfg.model.attention, self.objective.causal, hint,
-                                     cp_group=self.dist.mesh["cp"].get_group())
+            def check(model):
+                check_document_isolation(model, self.args.vocab_size, self.seq_len, self.dist.device,
+                                         cfg.model.attention, self.objective.causal, hint,
+                                         cp_group=self.dist.mesh["cp"].get_group())
+
+            startup_check_on_first_stage(self.model, check) if self.pipelined else check(self.model)
         self.first_step = self.sampler.step = self.step
         self.skipped = 0
         self.loader.start(self.step)

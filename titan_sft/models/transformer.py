@@ -269,6 +269,9 @@ class Transformer(nn.Module):
     * ``model(..., hidden_only=True)`` -> final-normed hidden states [B, T, dim], without the output head. This
       is how training calls it: the objective applies ``model.output`` itself (chunk by chunk, or only at the
       positions that carry loss), so [tokens, vocab] logits never exist at once.
+    * A pipeline stage (``parallel.pipeline_parallel``) is this model with some parts set to None: without
+      ``tok_embeddings`` it takes the previous stage's hidden states [B, T, dim] in place of ``input_ids`` (and
+      ``positions``, which give the row length); without ``norm`` it returns its last layer's hidden states.
 
     Attention is causal, or bidirectional within each document when ``args.causal`` is False.
     """
@@ -289,7 +292,7 @@ class Transformer(nn.Module):
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         super().to_empty(device=device, recurse=recurse)
         # to_empty gives every parameter slot fresh storage, which unties a shared head; tie it again.
-        if self.args.tie_embeddings:
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
         return self
 
@@ -320,8 +323,11 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         hidden_only: bool = False,
     ) -> torch.Tensor:
-        b, t = input_ids.shape
-        h = self.tok_embeddings(input_ids)
+        if self.tok_embeddings is not None:
+            b, t = input_ids.shape
+            h = self.tok_embeddings(input_ids)
+        else:  # a later pipeline stage: the input is the previous stage's hidden states, the row's length is positions'
+            h, (b, t) = input_ids, (input_ids.shape[0], positions.shape[-1])
         if positions is None:
             positions = self.backend.default_positions(t, input_ids.device)  # 0..T-1 of the (unsharded) row
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype,
@@ -334,5 +340,7 @@ class Transformer(nn.Module):
                 h, counts, prob_sum, z_sum = h
                 stats.append(RouterStats(counts, prob_sum, z_sum, b * t))
         self.router_stats = stats
+        if self.norm is None:  # not the last pipeline stage
+            return h
         h = self.norm(h)
         return h if hidden_only else self.output(h)

@@ -26,7 +26,7 @@ class DistInfo:
     local_rank: int
     device: torch.device
     dims: ParallelDims
-    mesh: DeviceMesh  # (dp_replicate, dp_shard_mod_ep, cp, ep, tp)
+    mesh: DeviceMesh  # (pp, dp_replicate, dp_shard_mod_ep, cp, ep, tp)
     dp_flat: DeviceMesh  # the data-parallel ranks as one dimension
     dp_cp: DeviceMesh  # the data-parallel and context-parallel ranks as one dimension
 
@@ -90,12 +90,14 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     return DistInfo(rank, world, local_rank, device, dims, mesh, dp_flat, dp_cp)
 
 
-def clip_grad_norm_(params, max_norm: float) -> float:
+def clip_grad_norm_(params, max_norm: float, pp_group=None, copies=()) -> float:
     """Global L2 norm of all gradients over all shards (pre-clip: what is logged), then clipping if max_norm > 0.
 
     A DTensor gradient whose placements differ from its parameter's (a replicated norm weight used on sharded
     activations gets a Partial gradient) is first brought to the parameter's placements, so the norm counts
-    each element once and the optimizer sees gradients laid out like the parameters.
+    each element once and the optimizer sees gradients laid out like the parameters. Under pipeline parallel
+    (``pp_group``) the norm is taken over the gradients of all stages; ``copies`` (a pipeline's second copy of a
+    tied weight, whose gradient equals the first's) are clipped alike but not counted.
     """
     from torch.distributed.tensor import DTensor
 
@@ -116,9 +118,14 @@ def clip_grad_norm_(params, max_norm: float) -> float:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if pp_group is not None:  # pipeline parallel: every stage's share of the squared norm
+        norm = comm.all_reduce(norm.double().square(), group=pp_group, what="grad norm over pipeline stages"
+                               ).sqrt().to(norm.dtype)
     if max_norm > 0:
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+        if copies:
+            torch.nn.utils.clip_grads_with_norm_(list(copies), max_norm, norm, foreach=True)
     return norm.item()
 
 
@@ -145,22 +152,31 @@ def init_sharded(model: torch.nn.Module, reference: torch.nn.Module, device: tor
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from titan_sft.checkpoint import tied_aliases
+
     params = {unwrapped_name(n): p for n, p in model.named_parameters()}
+    # A pipeline's last stage holds a copy of a tied head: it takes the embedding's numbers.
+    copies = {first: alias for alias, first in tied_aliases(reference).items() if alias in params}
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, init in reference.init_parts():
         part = reference.get_submodule(name)
         part.to_empty(device=device)  # shapes on every rank; the numbers come from rank 0
         if rank == 0:
             init(part)
-        targets = [(full, params[f"{name}.{key}"]) for key, full in part.named_parameters()]
+        fulls = [full for _, full in part.named_parameters()]
+        # Pipeline parallel: a rank holds only its stages' parameters.
+        targets = [(full, params[f"{name}.{key}"]) for key, full in part.named_parameters() if f"{name}.{key}" in params]
+        targets += [(full, params[copies[f"{name}.{key}"]]) for key, full in part.named_parameters()
+                    if f"{name}.{key}" in copies]
         # A DTensor scatters from its mesh's first rank. A mesh without rank 0 (one tp rank's FSDP mesh, where
-        # routed experts are replicated across tp) needs the numbers first: then the whole part is broadcast and
-        # every rank cuts its own shard.
-        outside = any(isinstance(t, DTensor) and rank0_missing(t.device_mesh) for _, t in targets)
+        # routed experts are replicated across tp; another pipeline stage's ranks) needs the numbers first: then
+        # the whole part is broadcast and every rank cuts its own shard.
+        outside = len(targets) != len(fulls) or any(isinstance(t, DTensor) and rank0_missing(t.device_mesh)
+                                                   for _, t in targets)
         outside = dist.is_initialized() and bool(comm.all_reduce(
             comm.tensor(float(outside)), dist.ReduceOp.MAX, what="random init").item())  # the same on every rank
         if outside:
-            for full, _ in targets:
+            for full in fulls:
                 comm.broadcast(full.detach(), 0, what="random init")
         for full, target in targets:
             if isinstance(target, DTensor):

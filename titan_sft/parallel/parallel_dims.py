@@ -1,6 +1,9 @@
 """The device mesh of a run, from [parallelism] and the world size.
 
-One 5-D mesh ``(dp_replicate, dp_shard_mod_ep, cp, ep, tp)`` (sizes may be 1) with named sub-meshes:
+One 6-D mesh ``(pp, dp_replicate, dp_shard_mod_ep, cp, ep, tp)`` (sizes may be 1) with named sub-meshes:
+
+* ``pp``: pipeline parallel (``parallel.pipeline_parallel``), outermost: each pp rank holds other layers, and
+  every sub-mesh below is taken within one pp rank's slice (its stage's data-parallel, cp, ep and tp ranks);
 
 * ``dp_shard`` = (dp_shard_mod_ep, ep) flattened: the data-parallel ranks within a replica;
 * ``dp_shard_cp`` = (dp_shard_mod_ep, cp, ep) flattened, and (dp_replicate, dp_shard_cp): what FSDP2 shards every
@@ -33,6 +36,7 @@ class ParallelDims:
     tp: int
     ep: int
     cp: int
+    pp: int
     world_size: int
 
     @classmethod
@@ -44,11 +48,17 @@ class ParallelDims:
     def dp_world(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def stage_world(self) -> int:
+        """The ranks of one pipeline stage."""
+        return self.world_size // self.pp
+
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-        """The 5-D mesh, its flattened data-parallel sub-mesh and the data-parallel x cp one (kept, not sliced
+        """The 6-D mesh, its flattened data-parallel sub-mesh and the data-parallel x cp one (kept, not sliced
         again from the root)."""
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard // self.ep, self.cp, self.ep, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp"))
+        mesh = init_device_mesh(device_type,
+                                (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.cp, self.ep, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp"))
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         mesh["dp_shard_mod_ep", "cp", "ep"]._flatten("dp_shard_cp")
         if self.ep > 1 and self.cp > 1:  # the experts' FSDP ranks (a group made only where it differs)
@@ -57,7 +67,8 @@ class ParallelDims:
         return mesh, mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp_flat"), dp_cp
 
     def describe(self) -> str:
-        return (f"mesh dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = "
+        return (f"mesh {f'pp {self.pp} x ' if self.pp > 1 else ''}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} x tp {self.tp} = "
                 f"{self.world_size} ranks ({'HSDP' if self.dp_replicate > 1 else 'FSDP'}"
                 f"{f' x CP {self.cp}' if self.cp > 1 else ''}"
-                f"{' x TP + SP' if self.tp > 1 else ''}{f' x EP {self.ep}' if self.ep > 1 else ''})")
+                f"{' x TP + SP' if self.tp > 1 else ''}{f' x EP {self.ep}' if self.ep > 1 else ''}"
+                f"{f' x PP {self.pp}' if self.pp > 1 else ''})")

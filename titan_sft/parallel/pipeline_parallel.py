@@ -1,0 +1,348 @@
+"""Pipeline parallel: the decoder's layers cut into stages over the ``pp`` mesh dimension, run by a
+``torch.distributed.pipelining`` schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble).
+
+* Stages are the family's own model with parts left out (``models.transformer``: no ``tok_embeddings`` after the
+  first stage, no ``norm``/``output`` before the last), built on the meta device with only their layers, which keep
+  their global indices (``layers.<i>``), so every parameter has its unsharded name on whichever rank holds it.
+  Nothing here knows a family: a stage is ``spec.model_cls(args)`` pruned.
+* Each stage is parallelized like a whole model (TP plan, AC, compile, FSDP2 with the stage as its root); a rank
+  with several stages (interleaved schedules) keeps them together in one :class:`PipelinedModel`, whose
+  parameters carry those names: the optimizer, gradient clipping, checkpoints (DCP, so a pp run resumes on any
+  layout) and HF export see one model per rank.
+* The step's microbatches (``training.per_device_batch`` rows each; ``parallelism.pp_microbatch_size``) are the
+  pipeline's: the loss groups' denominators are all-reduced before the step (``objective.begin_step``), so the last
+  stage computes each microbatch's loss with the objective, as one rank would (chunked CE, masked diffusion's noise
+  made by the collator and carried with the microbatch), and the schedule sums the gradients (``scale_grads``
+  off: the loss is already normalised by the global counts).
+
+A tied embedding and head (Qwen3 <= 4B, the debug model) lives on the first and the last stage as two copies with
+the same numbers: their gradients are summed between the two after every step (as Megatron does), the norm counts
+one, and checkpoints and exports store one under the embedding's name.
+
+Not composed yet (refused with one line by :func:`check_pipeline_parallel`): routed experts (the load-balancing loss multiplies means over all MoE layers, i.e.
+over stages), tensor and context parallel inside a stage, and validation or generation (they call the whole model).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_sft.config import ConfigError, JobConfig, pipeline_split, pipeline_stages_per_rank
+from titan_sft.constants import DTYPES
+
+
+@dataclass
+class PipelinePlan:
+    """Which layers each stage runs and which stages each pp rank holds."""
+
+    pp: int
+    schedule: str
+    layers: list[int]  # layers per stage, in stage order
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, n_layers: int) -> "PipelinePlan":
+        p = cfg.parallelism
+        n_stages = p.pp * pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+        if n_stages > n_layers:
+            raise ConfigError(f"config key 'parallelism.pp': {p.pp} ranks x "
+                              f"{n_stages // p.pp} stages per rank need at least {n_stages} layers; the model has "
+                              f"{n_layers}")
+        return cls(p.pp, p.pp_schedule, pipeline_split(n_layers, n_stages, p.pp_layers, p.pp_first_last_lighter))
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.layers)
+
+    def stage_layers(self, stage: int) -> list[int]:
+        start = sum(self.layers[:stage])
+        return list(range(start, start + self.layers[stage]))
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pp rank ``pp_rank`` runs: a loop (r, r + pp, ...), or ZBV's V (r and 2 pp - 1 - r)."""
+        if self.schedule == "ZBVZeroBubble":
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return list(range(pp_rank, self.n_stages, self.pp))
+
+    def bubble_fraction(self, n_microbatches: int) -> float:
+        """The idle share of a step in the schedule's theory, with equal stage times: (p - 1) / (v m + p - 1) for
+        GPipe and 1F1B (v = 1) and Interleaved1F1B (v stages per rank); ZBV's zero-bubble schedule splits the weight
+        gradients out to fill it, (p - 1) / (3 v m + p - 1) when forward, input and weight backward take equal time."""
+        p, v, m = self.pp, self.n_stages // self.pp, n_microbatches
+        if self.schedule == "ZBVZeroBubble":
+            return (p - 1) / (3 * v * m + p - 1)
+        return (p - 1) / (v * m + p - 1)
+
+    def describe(self) -> list[str]:
+        out = []
+        for r in range(self.pp):
+            parts = []
+            for s in self.stages_of(r):
+                ids = self.stage_layers(s)
+                extra = (["embeddings"] if s == 0 else []) + (["norm + head"] if s == self.n_stages - 1 else [])
+                parts.append(f"stage {s}: layers {ids[0]}-{ids[-1]}" + (f" + {' + '.join(extra)}" if extra else ""))
+            out.append(f"pp rank {r}: " + "; ".join(parts))
+        return out
+
+
+def check_pipeline_parallel(cfg: JobConfig, args) -> None:
+    """What pipeline parallel does not compose with yet: one line each, before any model is built."""
+    if cfg.parallelism.pp == 1:
+        return
+    p, v = cfg.parallelism, cfg.validation
+    PipelinePlan.from_config(cfg, args.n_layers)  # the split's own errors
+    refusals = [
+        (args.tie_embeddings and p.pp_schedule == "ZBVZeroBubble", "parallelism.pp_schedule",
+         "ZBVZeroBubble puts the first and last stage on one rank, which does not share a tied embedding and head "
+         "between its two stages yet; use 1F1B or Interleaved1F1B"),
+        (args.n_experts > 0, "model", "routed experts are not supported with pp > 1 yet (the load-balancing loss "
+                                      "spans the layers of all stages)"),
+        (p.tp > 1, "parallelism.tp", "tensor parallel inside pipeline stages is not supported yet; use tp = 1"),
+        ("lora" in cfg.model.converters, "model.converters", "LoRA with pp > 1 is not supported yet (its adapter "
+                                                             "export gathers one stage); use pp = 1"),
+        (p.cp > 1, "parallelism.cp", "context parallel inside pipeline stages is not supported yet; use cp = 1"),
+        (bool(v.path or v.holdout_fraction or v.sources or v.test_path or v.generation_eval_path),
+         "validation", "held-out validation and generation run the whole model, not a pipeline; with pp > 1 leave "
+                       "[validation] empty and evaluate the HF export (python -m titan_sft.evaluate)"),
+    ]
+    for bad, key, why in refusals:
+        if bad:
+            raise ConfigError(f"config key '{key}' with parallelism.pp = {p.pp}: {why}")
+
+
+def build_stage(model_cls, args, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """The model with only ``layer_ids`` (global indices kept), embeddings if ``first``, norm and head if ``last``;
+    call on the meta device."""
+    model = model_cls(args)
+    for key in [k for k in model.layers if int(k) not in layer_ids]:
+        del model.layers[key]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = model.output = None
+    return model
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages as one module for everything but the forward: its children are the stages' parts under
+    their unsharded names (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``, None where another rank holds
+    them), so ``named_parameters``, DCP state dicts and the optimizer see global FQNs. The step runs through
+    :meth:`forward_backward`."""
+
+    def __init__(self, stages: list[nn.Module], args, plan: PipelinePlan, stage_ids: list[int], pp_group):
+        super().__init__()
+        self.args, self.plan, self.stage_ids, self.pp_group = args, plan, stage_ids, pp_group
+        self.router_stats: list = []
+        self._stages = stages  # a plain list: not children (their parts are, by name)
+        self.tok_embeddings = next((s.tok_embeddings for s in stages if s.tok_embeddings is not None), None)
+        self.layers = nn.ModuleDict({k: m for s in stages for k, m in s.layers.items()})
+        last = next((s for s in stages if s.norm is not None), None)
+        self.norm, self.output = (last.norm, last.output) if last is not None else (None, None)
+        # A tied head on the last stage is a copy of the first stage's embedding (see the module docstring).
+        self.tied = args.tie_embeddings and plan.n_stages > 1
+        self.state_renames = ({"output.weight": "tok_embeddings.weight"}
+                              if self.tied and self.output is not None and self.tok_embeddings is None else {})
+        self.tie_group = None  # the first and last stage's ranks of this slice (set by build_pipelined_model)
+        self.backend = stages[0].backend  # the attention backend (its default positions, for later stages' inputs)
+        self.schedule = None
+        self._microbatches: list = []
+        self.is_last = plan.n_stages - 1 in stage_ids
+        self.is_first = 0 in stage_ids
+
+    def full_state_on_rank0(self) -> dict[str, torch.Tensor]:
+        """The whole model's unsharded state on global rank 0 (:func:`gather_full_state`)."""
+        return gather_full_state(self)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through forward_backward(); it has no plain forward")
+
+    def to_empty(self, *, device, recurse: bool = True) -> "PipelinedModel":
+        for stage in self._stages:  # each stage is an FSDP root: materialise through it
+            stage.to_empty(device=device, recurse=recurse)
+        return self
+
+    def set_requires_gradient_sync(self, flag: bool) -> None:
+        """No-op: the schedule reduces each stage's gradients once, after the step's last backward."""
+
+    def build_schedule(self, n_microbatches: int, device: torch.device, loss_fn, rows: int, seq_len: int,
+                       dtype: torch.dtype) -> None:
+        """The schedule over this rank's stages; ``loss_fn(hidden, microbatch index)`` runs on the last stage.
+
+        Stages are given their shapes (token ids [rows, seq_len] into the first, hidden states [rows, seq_len,
+        dim] in the compute ``dtype`` between stages): every microbatch has them, and torch's runtime inference
+        would run the objective's loss on placeholder targets to learn them."""
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        ids = torch.empty(rows, seq_len, dtype=torch.long, device="meta")
+        # requires_grad: the metadata says which activations have gradients to exchange
+        hidden = torch.empty(rows, seq_len, self.args.dim, dtype=dtype, device="meta", requires_grad=True)
+        stages = [PipelineStage(m, s, self.plan.n_stages, device, input_args=ids if s == 0 else hidden,
+                                output_args=hidden, group=self.pp_group)
+                  for m, s in zip(self._stages, self.stage_ids)]
+        cls = get_schedule_class(self.plan.schedule)
+        single = issubclass(cls, PipelineScheduleSingle)
+        self.schedule = cls(stages[0] if single else stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.pipeline_stages = stages
+
+    def forward_backward(self, microbatches: list, inputs) -> torch.Tensor:
+        """One step's forwards and backwards over ``microbatches`` (on the device); ``inputs(mb)`` gives the first
+        stage's ``input_ids`` and every stage's keyword arguments. Returns the sum of the step's losses on the last
+        stage (0 elsewhere)."""
+        args, kwargs = zip(*(inputs(mb) for mb in microbatches))
+        self._microbatches = microbatches  # the loss function's targets, by index
+        losses: list = []
+        for st in self.pipeline_stages:  # what the schedule's step() does before it splits a whole batch
+            st.has_backward = True
+            st.clear_runtime_states()
+        targets = [torch.tensor([i]) for i in range(len(microbatches))]
+        self.schedule._step_microbatches([(a,) for a in args], list(kwargs), targets, losses, return_outputs=False)
+        self._microbatches = []
+        self._sum_tied_grads()
+        if self.is_last:
+            return torch.stack([x.detach() for x in losses]).sum()
+        return torch.zeros((), device=microbatches[0].input_ids.device)
+
+
+    def _tied_params(self) -> list[nn.Parameter]:
+        if not self.tied:
+            return []
+        return [m.weight for m in (self.tok_embeddings, self.output) if m is not None]
+
+    def _sum_tied_grads(self) -> None:
+        """The embedding's and the head's gradients summed between the first and the last stage: both copies get
+        the tied weight's whole gradient (each FSDP rank its shard: the two stages shard alike)."""
+        from torch.distributed.tensor import DTensor
+
+        from titan_sft.parallel import comm
+
+        for p in self._tied_params():
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            comm.all_reduce(g, group=self.tie_group, what="tied embedding gradient")
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """The last stage's copy of a tied head: clipped with the rest, not counted in the norm."""
+        return [self.output.weight] if self.tied and self.output is not None else []
+
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """The parameters the gradient norm counts (all but :meth:`tied_copies`)."""
+        copies = {id(p) for p in self.tied_copies()}
+        return [p for p in self.parameters() if id(p) not in copies]
+
+
+class _Head:
+    """What an objective's ``loss(model, mb)`` sees on the last stage: calling it returns the stage's hidden
+    states (the pipeline ran the layers), ``output`` is the head."""
+
+    def __init__(self, stage: nn.Module, hidden: torch.Tensor):
+        self.output, self.args, self.router_stats, self._hidden = stage.output, stage.args, [], hidden
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return self._hidden
+
+
+def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device, objective,
+                          n_microbatches: int, seq_len: int) -> PipelinedModel:
+    """This rank's stages (meta device), each parallelized by the family's ``parallelize_fn``, joined in a
+    :class:`PipelinedModel` whose schedule computes the loss with ``objective`` on the last stage."""
+    plan = PipelinePlan.from_config(cfg, args.n_layers)
+    pp_rank = mesh["pp"].get_local_rank()
+    ids = plan.stages_of(pp_rank)
+    stages = []
+    for s in ids:
+        with torch.device("meta"):
+            stage = build_stage(spec.model_cls, args, plan.stage_layers(s), s == 0, s == plan.n_stages - 1)
+        spec.parallelize_fn(stage, mesh, cfg, device, spec.tp_plan_fn())
+        stages.append(stage)
+    model = PipelinedModel(stages, args, plan, ids, mesh["pp"].get_group())
+    # the first rank of its stage (rank 0 for stage 0): it sends the stage's tensors for an HF export
+    model.stage_lead = mesh["dp_cp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    if model.tied:  # one group per pipeline slice: its first and last stage's ranks (made collectively)
+        slices = mesh.mesh.reshape(plan.pp, -1)
+        for col in range(slices.shape[1]):
+            group = dist.new_group([int(slices[0, col]), int(slices[-1, col])])
+            if dist.get_rank() in (int(slices[0, col]), int(slices[-1, col])):
+                model.tie_group = group
+    last = stages[-1] if model.is_last else None
+
+    def loss_fn(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return objective.loss(_Head(last, hidden), model._microbatches[int(index)])
+
+    t = cfg.training
+    model.build_schedule(n_microbatches, device, loss_fn, t.per_device_batch, seq_len, DTYPES[t.param_dtype])
+    return model
+
+
+def stage_inputs(backend):
+    """``inputs(mb)`` for :meth:`PipelinedModel.forward_backward`: the token ids, and the masks' and RoPE's
+    arguments every stage needs (positions always given: a later stage reads the row length from them)."""
+
+    def inputs(mb):
+        positions = mb.positions
+        if positions is None:
+            positions = backend.default_positions(mb.input_ids.shape[1], mb.input_ids.device).expand_as(mb.input_ids)
+        return mb.input_ids, {"cu_seqlens": mb.cu_seqlens, "positions": positions, "hidden_only": True}
+
+    return inputs
+
+
+def pp_norm(local_norm: float, group) -> float:
+    """The gradient norm over all stages from this rank's stages' norm."""
+    from titan_sft.parallel import comm
+
+    sq = comm.all_reduce(comm.tensor(local_norm**2), group=group, what="grad norm over pipeline stages")
+    return float(sq.item()) ** 0.5
+
+
+def startup_check_on_first_stage(model: PipelinedModel, check) -> None:
+    """Runs ``check(stage)`` (the document-isolation check, which compares hidden states) on the first stage, whose
+    layers take token ids; every rank learns the verdict, so all stop together. All stages use the same attention
+    backend and masks."""
+    from titan_sft.parallel import comm
+    from titan_sft.startup_checks import StartupCheckError
+
+    error = ""
+    if model.is_first:
+        try:
+            check(model._stages[0])
+        except StartupCheckError as e:
+            error = str(e)
+    if comm.all_reduce(comm.tensor(float(bool(error))), dist.ReduceOp.MAX, what="isolation check").item():
+        raise StartupCheckError(error or "document isolation check failed on the first pipeline stage")
+
+
+def gather_full_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
+    """The whole model's unsharded state on global rank 0 (CPU), one tensor at a time; empty elsewhere.
+
+    Each tensor is gathered within its stage (``full_tensor`` over the stage's data-parallel ranks); the first rank
+    of every later stage sends its stage's tensors to rank 0, which receives them in pp-rank order. No rank holds
+    more than one unsharded tensor on its device. Collective over all ranks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from titan_sft.checkpoint import model_state
+    from titan_sft.parallel import comm
+
+    rank = dist.get_rank()
+    state = model_state(model)
+    meta: list = [None] * dist.get_world_size()
+    dist.all_gather_object(meta, [(k, tuple(v.shape), str(v.dtype).split(".")[-1]) for k, v in state.items()]
+                           if model.stage_lead else None)
+    full: dict[str, torch.Tensor] = {}
+    for name, t in state.items():  # this stage's tensors: gathered by its ranks, kept (rank 0) or sent on
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank == 0:
+            full[name] = t.cpu()
+        elif model.stage_lead:
+            dist.send(t.contiguous(), dst=0)
+    if rank == 0:
+        for src, entries in enumerate(meta):
+            for name, shape, dtype in entries if src and entries else ():
+                buf = torch.empty(shape, dtype=getattr(torch, dtype), device=comm.device())
+                dist.recv(buf, src=src)
+                full[name] = buf.cpu()
+    return full
