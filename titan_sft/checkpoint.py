@@ -42,6 +42,9 @@ from titan_sft.parallel.distributed import new_transient_group, release_group, t
 
 
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # added by AC and compile wrappers
+# The optimizer's state and hyperparameters keyed by each parameter's name (not by param-group position): a
+# pipeline rank holds some parameters only, and any layout must read any other's checkpoint.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -242,7 +245,7 @@ class CheckpointManager:
             return {"model": {k: v for k, v in model_state(self.model).items() if k in self.trainable}}
         return {
             "model": model_state(self.model),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=OPTIM_OPTIONS),
         }
 
     def save(self, completed_steps: int, temp: bool = False, kind: str | None = None,
@@ -388,7 +391,7 @@ class CheckpointManager:
         with transient_group() as pg:  # see save()
             dcp.load(state, checkpoint_id=str(path), process_group=pg)
         set_model_state_dict(self.model, with_aliases(self.model, state["model"]))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=OPTIM_OPTIONS)
         self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         self.sampler.load_state_dict(meta["sampler"])
         restore_rng_state(meta)
