@@ -117,13 +117,16 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from titan_sft.lora import is_adapter_key
 
     adapter = spec.state_dict_adapter(args)
     # LoRA adapters are not in an HF checkpoint; they start from their own init (titan_sft.lora).
-    state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter_key(k)}
+    from titan_sft.checkpoint import model_state, with_aliases
+
+    # model_state: a pipeline's last stage reads its copy of a tied head under the embedding's name
+    state = {k: v for k, v in model_state(model).items() if not is_adapter_key(k)}
     # Stacked experts are read apart: each rank copies the experts of its own shard from the per-expert tensors.
     experts = {k: state.pop(k) for k in list(state) if expert_hf_names(k, args.n_experts)}
     hf_state = adapter.to_hf(state)
@@ -139,7 +142,7 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
         dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(resolve_hf_dir(path))), process_group=pg)
     # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
     # again keeps this correct for wrappers whose state dict holds copies.
-    set_model_state_dict(model, adapter.from_hf(hf_state), options=StateDictOptions(strict=False))
+    set_model_state_dict(model, with_aliases(model, adapter.from_hf(hf_state)), options=StateDictOptions(strict=False))
     if experts:
         _load_expert_shards(experts, args, path, shapes)
 
