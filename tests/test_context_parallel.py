@@ -175,8 +175,8 @@ def test_invalid_context_parallel_layouts_fail_with_one_line():
     cfg = load_config(None, ["--parallelism.cp", "3"])
     with pytest.raises(ConfigError, match="parallelism.cp': 3 must be a positive divisor of the world size 4"):
         check_layout(cfg, 4)
-    assert check_layout(load_config(None, ["--parallelism.cp", "2"]), 4) == (1, 2, 1, 1, 2)
-    assert check_layout(load_config(None, ["--parallelism.cp", "2", "--parallelism.ep", "2"]), 4) == (1, 2, 1, 2, 2)
+    assert check_layout(load_config(None, ["--parallelism.cp", "2"]), 4) == (1, 2, 1, 1, 2, 1)
+    assert check_layout(load_config(None, ["--parallelism.cp", "2", "--parallelism.ep", "2"]), 4) == (1, 2, 1, 2, 2, 1)
     with pytest.raises(ConfigError, match="must divide the packed sequence length 100 into 8 equal parts"):
         check_context_parallel(4, "ring", 1, 8, 2, 100, "sdpa")
     with pytest.raises(ConfigError, match="ulysses gives each of the 4 cp ranks whole attention heads, but there "

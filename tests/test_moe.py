@@ -205,7 +205,7 @@ def test_impossible_expert_parallel_layouts_fail_with_one_line():
         check_expert_parallel(16, 8)
     with pytest.raises(ConfigError, match="has no routed experts"):
         check_expert_parallel(2, 0)
-    assert check_layout(load_config(None, ["--parallelism.ep", "2"]), 4) == (1, 4, 1, 2, 1)
+    assert check_layout(load_config(None, ["--parallelism.ep", "2"]), 4) == (1, 4, 1, 2, 1, 1)
     with pytest.raises(ConfigError, match="'lora.experts': true, but the model has no routed experts"):
         check_expert_parallel(1, 0, lora_experts=True)
     with pytest.raises(ConfigError, match="'training.compile': true is not supported yet"):

@@ -113,7 +113,7 @@ def test_invalid_meshes_fail_with_one_line():
     cfg = load_config(None, ["--training.global_batch_size", "8", "--training.per_device_batch", "3"])
     with pytest.raises(ConfigError, match="per_device_batch': 3 must divide the per-rank batch"):
         check_layout(cfg, 2)
-    assert check_layout(load_config(None, ["--parallelism.tp", "2", "--parallelism.dp_replicate", "2"]), 8) == (2, 2, 2, 1, 1)
+    assert check_layout(load_config(None, ["--parallelism.tp", "2", "--parallelism.dp_replicate", "2"]), 8) == (2, 2, 2, 1, 1, 1)
     with pytest.raises(ConfigError, match="must divide the model's attention heads \\(4\\) and key/value heads \\(2\\)"):
         check_tensor_parallel(4, 4, 2, 256)
     with pytest.raises(ConfigError, match="must divide the packed sequence length 255"):
