@@ -29,7 +29,7 @@ def child(nproc: int, steps: int, overrides: list[str]) -> None:
                "--checkpoint.hf_export_interval", "-1", "--validation.generation_eval_path", "",
                "--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1", "--training.skip_startup_checks", "true",
                "--job.dump_folder", dump, *overrides]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "OMP_NUM_THREADS": str(max(1, 2 // nproc))}
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "benchmarks"), "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", str(max(1, 2 // nproc)))}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(proc.stdout[-2000:] + proc.stderr[-2000:])

@@ -32,7 +32,7 @@ def planned_world_size(cfg: JobConfig) -> int:
     p = cfg.parallelism
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp
+    return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
 
 
 def activation_memory_per_rank(args, seq_len: int, rows: int, cp: int, tp: int, ac: str, every_n: int = 2,
@@ -125,6 +125,20 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen
     trained = sum(n for n, g in sizes if g)
     return {"params": (4 * trained + frozen_bytes * (per_tp - trained)) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
             "deferred_grads": 4 * trained}
+
+
+class _Stages(torch.nn.Module):
+    """Several stage modules as one, for counting their parameters (names stay unique: global layer indices)."""
+
+    def __init__(self, stages: list):
+        super().__init__()
+        for i, st in enumerate(stages):
+            self.add_module(f"stage{i}", st)
+        self.numel_total = sum(p.numel() for p in self.parameters())
+
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield name.split(".", 1)[1], p
 
 
 def _short(xs: list) -> str:
@@ -221,7 +235,7 @@ def dry_run(cfg: JobConfig) -> str:
     else:
         cadence = f"checkpoints every {c.interval}; HF export every {c.hf_export_interval}, dtype {c.hf_export_dtype}"
     world = planned_world_size(cfg)
-    dp_rep, dp_shard, tp, ep, cp = check_layout(cfg, world)
+    dp_rep, dp_shard, tp, ep, cp, pp = check_layout(cfg, world)
     L = L or cfg.data.seq_len or None
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
     check_context_parallel(cp, cfg.parallelism.cp_mode, tp, args.n_heads, args.n_kv_heads,
@@ -229,10 +243,34 @@ def dry_run(cfg: JobConfig) -> str:
     check_expert_parallel(ep, args.n_experts, cfg.training.compile, "lora" in cfg.model.converters and cfg.lora.experts)
     plan = spec.tp_plan_fn()
     dtype_bytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
+    pipeline_lines, stage_share = [], 1.0
+    if pp > 1:  # the memory of the heaviest pipeline rank's stages; activations of the microbatches in flight
+        from titan_sft.parallel.pipeline_parallel import PipelinePlan, build_stage, check_pipeline_parallel
+
+        check_pipeline_parallel(cfg, args)
+        pplan = PipelinePlan.from_config(cfg, args.n_layers)
+        m = B // (dp_rep * dp_shard) // cfg.training.per_device_batch
+        parts = []
+        for r in range(pp):
+            with torch.device("meta"):
+                stages = [build_stage(spec.model_cls, args, pplan.stage_layers(s), s == 0, s == pplan.n_stages - 1)
+                          for s in pplan.stages_of(r)]
+            parts.append((sum(len(st.layers) for st in stages), _Stages(stages)))
+        heaviest = max(range(pp), key=lambda r: parts[r][1].numel_total)
+        model = parts[heaviest][1]
+        in_flight = m if cfg.parallelism.pp_schedule == "GPipe" else min(m, pp)
+        stage_share = parts[heaviest][0] / args.n_layers * in_flight
+        pipeline_lines = [
+            f"pipeline parallel {pp} ({cfg.parallelism.pp_schedule}, {pplan.n_stages} stages, {m} microbatches per "
+            f"step): bubble {pplan.bubble_fraction(m):.1%} of the step in the schedule's theory; layers per stage "
+            f"{pplan.layers}", *pplan.describe(),
+            f"memory below: pp rank {heaviest} (the heaviest: {parts[heaviest][0]} layers); activations of up to "
+            f"{in_flight} microbatches in flight on it"]
     mem = memory_per_rank(model, plan, dp_shard * cp, tp, dtype_bytes)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
     layout = [
-        f"mesh: dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} = {world} ranks"
+        f"mesh: {f'pp {pp} x ' if pp > 1 else ''}dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} = "
+        f"{world} ranks"
         f"{f', expert parallel {ep}: each rank holds {args.n_experts // ep} of the {args.n_experts} experts of a layer, FSDP-sharded over the {dp_rep * dp_shard // ep} ranks holding the same ones' if ep > 1 else ''}"
         f"{' (WORLD_SIZE)' if 'WORLD_SIZE' in os.environ else ''}; each rank takes "
         f"{B // (dp_rep * dp_shard)} packed examples per step in microbatches of {cfg.training.per_device_batch}",
@@ -242,6 +280,7 @@ def dry_run(cfg: JobConfig) -> str:
            + (f"; {args.n_kv_heads // tp} key/value heads per tp rank are repeated to "
               f"{math.lcm(args.n_kv_heads // tp, cp)} for the all-to-all"
               if cfg.parallelism.cp_mode == "ulysses" and (args.n_kv_heads // tp) % cp else "")] if cp > 1 else []),
+        *pipeline_lines,
         *(["tensor-parallel plan (sequence parallel between blocks, loss parallel on the vocab-split head):",
            *describe_plan(plan, args.moe_layers())] if tp > 1 else []),
         f"memory per rank: parameters {mem['params'] / GIB:.2f} GiB, gradients {mem['grads'] / GIB:.2f} GiB, "
@@ -255,6 +294,9 @@ def dry_run(cfg: JobConfig) -> str:
         t = cfg.training
         act = activation_memory_per_rank(args, L, t.per_device_batch, cp, tp, t.activation_checkpoint, t.ac_every_n,
                                          dtype_bytes, t.loss_chunk_size)
+        if pp > 1:  # this rank's layers, times the microbatches it holds at once
+            act["blocks"] *= stage_share
+            act["total"] = act["blocks"] + act["recompute"] + act["loss"]
         layout.append(
             f"activations per rank (estimate): {act['total'] / GIB:.2f} GiB for a microbatch of "
             f"{t.per_device_batch} x {L:,} tokens ({act['tokens']:,.0f} on this rank"
