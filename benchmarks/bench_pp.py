@@ -6,8 +6,10 @@ on the debug model and a ~100M Qwen3, and the pipeline's bubble measured against
 Each configuration is a real training run (``bench_layouts.measure``: torchrun, the embedded debug data, fp32, 8
 packs per step in microbatches of 1; step time is the median of steps 2..N). The measured bubble is the share of
 the two cores' time a pp 2 step does not spend on the work one rank does alone: 1 - T(1 rank, 1 thread) /
-(2 x T(pp 2, 1 thread per rank)); it includes the activations' send/recv, so it is an upper bound of the idle
-time. The theory is (p - 1) / (v m + p - 1) with m = 8 microbatches per step and v stages per rank.
+(2 x T(pp 2, 1 thread per rank)). It counts the activations' send/recv as idle, and it can come out below the
+theory: one rank holding the whole model runs slower per FLOP than a stage holding half of it (weights, gradients
+and AdamW state that fit the caches better). The theory is (p - 1) / (v m + p - 1) with m = 8 microbatches per
+step and v stages per rank.
 """
 
 import argparse

@@ -147,6 +147,9 @@ phase f_more 600 - "${BENCH[@]}" --cases 4b_bf16_eager_varlen,4b_bf16_compile_lo
 say "context parallel needs more than one GPU; on a node of 8: torchrun --standalone --nproc_per_node=8 -m titan_sft.train \
 --config train_configs/qwen3_8b_32k.toml --model.init_from_hf false --data.path DATA_32K --training.steps 6 \
 --checkpoint.enable false (and --parallelism.cp 1 --training.activation_checkpoint full for the baseline)"
+say "pipeline parallel needs more than one GPU; on a node of 8, pp 2 x FSDP 4 vs FSDP 8 on Qwen3-8B: torchrun --standalone \
+--nproc_per_node=8 -m titan_sft.train --config train_configs/qwen3_8b.toml --model.init_from_hf false --data.path DATA \
+--training.steps 6 --checkpoint.enable false --parallelism.pp 2 (and without --parallelism.pp for the baseline)"
 say "done in $(( $(date +%s) - START ))s; phases:"
 cat "$OUT/gpu_phases.txt"
 [ "$REHEARSE" = 1 ] && rm -rf "$WORK"

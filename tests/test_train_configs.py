@@ -82,3 +82,20 @@ def test_long_context_configs_plan_context_parallel(name, cp, heads, monkeypatch
         assert args.rope_scaling.rope_type == "yarn" and args.rope_scaling.factor == 4.0 and args.max_seq_len == 131072
     else:
         assert args.rope_scaling is None
+
+
+@pytest.mark.parametrize("name,world,stages", [
+    ("llama3_70b", "32", "layers per stage [9, 11, 11, 10, 10, 10, 10, 9]"),
+    ("qwen3_32b_32k", "16", "layers per stage [16, 16, 16, 16]")])
+def test_pipeline_configs_plan_stages(name, world, stages, monkeypatch):
+    """The multi-node pipeline configs keep the recipe's values and plan their stages, the schedule's bubble and
+    the memory of the heaviest pp rank for their world size."""
+    c = load_config(ROOT / "train_configs" / f"{name}.toml", ["--model.init_from_hf", "false"])
+    base = load_config(ROOT / "train_configs" / "qwen3_8b.toml")
+    assert (c.optimizer, c.lr_scheduler, c.training.global_batch_size, c.training.loss_groups) == (
+        base.optimizer, base.lr_scheduler, base.training.global_batch_size, base.training.loss_groups)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    text = dry_run(c)
+    assert f"mesh: pp 4 x dp_replicate 1 x dp_shard {int(world) // 4}" in text and stages in text
+    assert "bubble 15.8% of the step in the schedule's theory" in text and "pp rank 3: stage" in text
+    print(text)

@@ -117,7 +117,7 @@ def store_frozen_params(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               experts_mesh: DeviceMesh | None = None, pipeline: bool = False) -> None:
+               experts_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output head).
 
     The head stays in the root group. The root is not resharded after forward, so the objective, which applies
@@ -125,8 +125,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     tensor, and the head's gradient is reduced with the root's at the end of backward. Under expert parallel
     (``experts_mesh``: the ranks holding the same experts) each block's experts form an FSDP group of their own
     over that mesh; their gradients are summed over it, never across the ep ranks that hold other experts.
-    A ``pipeline`` stage keeps its blocks gathered after forward (as torchtitan does under PP): its microbatches'
-    forwards and backwards interleave, and resharding would all-gather every block again for each of them.
+    A pipeline stage is sharded the same way: keeping its blocks gathered between its microbatches' forwards and
+    backwards (torchtitan's default under PP) would save their all-gathers but hold the stage's bf16 weights whole
+    (Llama-70B's 21-layer pp rank: 36 GB).
     """
     from titan_sft.models.moe import GroupedExperts
 
@@ -137,7 +138,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
                 fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
         # The last block's params are needed first in backward: keep them gathered after forward.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1 and not pipeline)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # Sum, not average, across ranks: the loss is already normalised by global token counts (recipe item 10).
     # Both settings are per FSDP module.
@@ -202,6 +203,5 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
     experts_mesh = None
     if mesh["ep"].size() > 1:  # the ranks holding the same experts: FSDP over them (and over cp, where it exists)
         experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep_cp" if mesh["cp"].size() > 1 else "dp_shard_mod_ep"]
-    apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh,
-               pipeline=mesh["pp"].size() > 1)
+    apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
     return model
