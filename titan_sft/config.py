@@ -299,7 +299,7 @@ class Parallelism:
     pp: int = doc(1, "pipeline-parallel degree: the layers are cut into stages on pp groups of ranks (the outermost "
                      "mesh dimension), which pass activations; every pp rank of a data-parallel rank reads its data")
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "GPipe"] = doc(
-        "1F1B", "pipeline schedule (torch.distributed.pipelining); Interleaved1F1B and ZBVZeroBubble run "
+        "1F1B", "pipeline schedule (torch.distributed.pipelining; ZBVZeroBubble is refused for now); multi-stage ones run "
                 "pp_stages_per_rank stages per rank (ZBV: exactly 2, in a V: rank r holds stages r and 2pp-1-r)")
     pp_stages_per_rank: int = doc(2, "stages per rank of the multi-stage schedules (Interleaved1F1B, ZBVZeroBubble)")
     pp_microbatch_size: int = doc(0, "rows per pipeline microbatch; 0 = training.per_device_batch (set, it replaces "
