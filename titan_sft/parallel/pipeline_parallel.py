@@ -307,14 +307,6 @@ def stage_inputs(backend):
     return inputs
 
 
-def pp_norm(local_norm: float, group) -> float:
-    """The gradient norm over all stages from this rank's stages' norm."""
-    from titan_sft.parallel import comm
-
-    sq = comm.all_reduce(comm.tensor(local_norm**2), group=group, what="grad norm over pipeline stages")
-    return float(sq.item()) ** 0.5
-
-
 def startup_check_on_first_stage(model: PipelinedModel, check) -> None:
     """Runs ``check(stage)`` (the document-isolation check, which compares hidden states) on the first stage, whose
     layers take token ids; every rank learns the verdict, so all stop together. All stages use the same attention
