@@ -55,6 +55,10 @@ class Model:
     tokenizer_path: str = doc("", "tokenizer directory; empty means hf_assets_path (then the dataset's)")
     freeze_router: bool = doc(False, "models with routed experts: the routers' weights do not train (the base "
                                      "model's routing is kept)")
+    router_bias_rate: float = doc(0.0, "models with routed experts: auxiliary-loss-free balancing (DeepSeek-V3; "
+                                       "torchtitan's load_balance_coeff, e.g. 1e-3): after each step every MoE "
+                                       "layer's routing bias moves this much towards its under-loaded experts; the "
+                                       "bias picks experts, never weights them; 0 disables it")
     attention: Literal["auto", "sdpa", "flex", "varlen", "flash_varlen"] = doc(
         "sdpa", "attention backend: sdpa (everywhere), flex, varlen (torch's varlen kernels, GPU, bf16), flash_varlen "
                 "(flash-attn, GPU, bf16), auto (GPU: flash_varlen where flash-attn is installed, else varlen; CPU: sdpa)")
@@ -526,6 +530,8 @@ def validate(cfg: JobConfig) -> None:
 
     t, o, s, c = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.checkpoint
     pp = cfg.parallelism
+    need(cfg.model.router_bias_rate >= 0, "model.router_bias_rate", ">= 0 (0 disables the routing bias)",
+         cfg.model.router_bias_rate)
     need(pp.pp_microbatch_size >= 0, "parallelism.pp_microbatch_size", ">= 0 (0: training.per_device_batch)",
          pp.pp_microbatch_size)
     need(pp.pp_first_last_lighter >= 0, "parallelism.pp_first_last_lighter", ">= 0", pp.pp_first_last_lighter)
@@ -765,10 +771,6 @@ def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_e
     data-dependent shapes do not compile yet; adapters on experts need a model that has them."""
     if lora_experts and not n_experts:
         raise ConfigError("config key 'lora.experts': true, but the model has no routed experts; set it to false")
-    if compile and n_experts:
-        raise ConfigError("config key 'training.compile': true is not supported yet for models with routed experts "
-                          "(the per-expert row counts are data-dependent shapes; torch 2.13's grouped GEMM does not "
-                          "trace them); set it to false")
     if ep == 1:
         return
     if not n_experts:

@@ -24,8 +24,9 @@ import torch
 
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.constants import DTYPES
-from titan_sft.models.hf_adapter import args_from_hf_config, expert_hf_names, hf_config_from_args, native_to_hf_name
-from titan_sft.models.hf_checkpoint import read_config, safetensors_files, tensor_shapes
+from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, args_from_hf_config, expert_hf_names, hf_config_from_args,
+                                         native_to_hf_name, routing_bias_layer)
+from titan_sft.models.hf_checkpoint import read_config, read_routing_bias, safetensors_files, tensor_shapes
 from titan_sft.models.transformer import TransformerArgs
 from titan_sft.registry import TrainSpec
 
@@ -105,7 +106,14 @@ def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
                               original_max_position_embeddings=model_cfg.yarn_original_positions)
         args = dataclasses.replace(args, rope_scaling=scaling,
                                    max_seq_len=int(model_cfg.yarn_factor * model_cfg.yarn_original_positions))
-    return dataclasses.replace(args, attention=model_cfg.attention, freeze_router=model_cfg.freeze_router)
+    # A routing bias when it trains, or when the HF directory (a titan_sft export) routes with one.
+    bias = model_cfg.router_bias_rate > 0 or bool(model_cfg.init_from_hf and args.n_experts
+                                                  and (resolve_hf_dir(model_cfg.hf_assets_path) / ROUTING_BIAS_FILE).is_file())
+    if model_cfg.router_bias_rate > 0 and not args.n_experts:
+        raise ConfigError(f"config key 'model.router_bias_rate': {model_cfg.router_bias_rate}, but the model has no "
+                          "routed experts; set it to 0")
+    return dataclasses.replace(args, attention=model_cfg.attention, freeze_router=model_cfg.freeze_router,
+                               router_bias=bias)
 
 
 def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainSpec) -> None:
@@ -145,6 +153,10 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     set_model_state_dict(model, with_aliases(model, adapter.from_hf(hf_state)), options=StateDictOptions(strict=False))
     if experts:
         _load_expert_shards(experts, args, path, shapes)
+    biases = read_routing_bias(resolve_hf_dir(path), args) if args.router_bias else None
+    with torch.no_grad():
+        for name, values in (biases or {}).items():
+            model.get_buffer(name).copy_(values)
 
 
 def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict) -> None:
@@ -228,6 +240,14 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
             full = merge_lora(full, lora.alpha / lora.rank)
         hf_sd = {k: v.to(tdtype).contiguous() for k, v in spec.state_dict_adapter(args).to_hf(full).items()}
         _write_safetensors(hf_sd, tmp, int(max_shard_gb * 1e9), save_file)
+        biases = {routing_bias_layer(k): v for k, v in full.items() if routing_bias_layer(k) is not None}
+        if biases:  # fp32 values as JSON numbers (exact: every fp32 is a double)
+            (tmp / ROUTING_BIAS_FILE).write_text(json.dumps(
+                {str(i): v.float().tolist() for i, v in sorted(biases.items())}, indent=1) + "\n")
+            from titan_sft.log import logger
+
+            logger.info(f"[export] the routing biases go to {ROUTING_BIAS_FILE}: the {spec.hf_model_type} format "
+                        "has none, so transformers and vLLM route without them (titan_sft's loaders read them)")
         import transformers
 
         config = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture, tdtype)

@@ -247,9 +247,10 @@ class Trainer:
         self.lr_scheduler.step()
         flops = self.flops.step_flops(n_tokens, head_positions, pairs)
         loss, n_tokens, flops, sums = self._agree(loss_sum, n_tokens, flops, self.objective.step_sums())
+        after = self.objective.end_step(self.model, sums)
         dt = time.perf_counter() - t0
         return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                **self.objective.step_metrics(sums), "n_tokens": n_tokens, "step_time_s": dt,
+                **self.objective.step_metrics(sums), **after, "n_tokens": n_tokens, "step_time_s": dt,
                 **self.metrics.throughput(n_tokens, flops, dt, self.dist.world), **batch.metrics}
 
     def _agree(self, loss_sum: torch.Tensor, n_tokens: int, flops: float,

@@ -38,6 +38,20 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 EXPERT_MAP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # native stacked name -> HF per-expert name
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 _NATIVE_EXPERT = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w1|w2|w3)$")
+# The aux-loss-free routing bias: Qwen3-MoE's HF format has no tensor for it (transformers and vLLM route by the
+# router's probabilities alone), so it travels beside the weights in ROUTING_BIAS_FILE, layer index -> E floats.
+ROUTING_BIAS_FILE = "routing_bias.json"
+_NATIVE_ROUTING_BIAS = re.compile(r"^layers\.(\d+)\.feed_forward\.router\.expert_bias$")
+
+
+def routing_bias_layer(native_name: str) -> int | None:
+    """The layer index of a native routing-bias buffer's name; None for any other name."""
+    m = _NATIVE_ROUTING_BIAS.match(native_name)
+    return int(m.group(1)) if m else None
+
+
+def routing_bias_name(layer: int) -> str:
+    return f"layers.{layer}.feed_forward.router.expert_bias"
 
 
 def native_to_hf_name(name: str) -> str:
@@ -83,10 +97,13 @@ class StateDictAdapter:
         self.args = args
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The HF tensors of a native state dict; routing biases have none (see ``ROUTING_BIAS_FILE``)."""
         out = {}
         for name, tensor in state_dict.items():
             if name == "output.weight" and self.args.tie_embeddings:
                 continue  # tied: the embedding is the head, HF writes no lm_head.weight
+            if routing_bias_layer(name) is not None:
+                continue
             per_expert = expert_hf_names(name, self.args.n_experts)
             if per_expert is not None:
                 out.update({hf: tensor[j] for j, hf in enumerate(per_expert)})

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from titan_sft.models.hf_adapter import StateDictAdapter, args_from_hf_config, expert_hf_names, expert_slot
+from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, StateDictAdapter, args_from_hf_config, expert_hf_names,
+                                         expert_slot, routing_bias_name)
 from titan_sft.models.transformer import Transformer
 
 
@@ -24,6 +25,23 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: an HF model directory needs a config.json")
     return json.loads(path.read_text())
+
+
+def read_routing_bias(path: str | Path, args) -> dict[str, torch.Tensor] | None:
+    """The aux-loss-free routing biases a titan_sft export keeps beside its weights (``routing_bias.json``), by
+    native buffer name; None when the directory has none. Layers and sizes are checked against ``args``."""
+    file = Path(path) / ROUTING_BIAS_FILE
+    if not file.is_file():
+        return None
+    biases = json.loads(file.read_text())
+    layers = set(args.moe_layers())
+    out = {}
+    for layer, values in biases.items():
+        if int(layer) not in layers or len(values) != args.n_experts:
+            raise ValueError(f"{file}: layer {layer} with {len(values)} biases does not fit this model "
+                             f"(MoE layers {sorted(layers)}, {args.n_experts} experts)")
+        out[routing_bias_name(int(layer))] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -59,11 +77,16 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, attention:
     args = args_from_hf_config(hf_cfg)
     kind = hf_cfg.get("model_type")
     adapter = StateDictAdapter(args)
+    bias = read_routing_bias(path, args)  # a titan_sft export trained with it routes with it
     with torch.device("meta"):
-        model = Transformer(dataclasses.replace(args, attention=attention))
+        model = Transformer(dataclasses.replace(args, attention=attention, router_bias=bias is not None))
     model.to_empty(device="cpu")
     expected = model.state_dict()
     loaded: set[str] = set()
+    with torch.no_grad():
+        for name, values in (bias or {}).items():
+            expected[name].copy_(values)
+            loaded.add(name)
     with torch.no_grad():
         for file in safetensors_files(path):
             with safe_open(str(file), framework="pt") as f:
@@ -88,4 +111,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, attention:
     missing += [n for n in adapter.hf_names() if expert_slot(n) and n not in loaded]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    for name in bias or {}:  # the biases stay fp32, as in training: in bf16 near-equal experts would swap
+        model.get_submodule(name.rsplit(".", 1)[0]).expert_bias = expected[name].float()
+    return model

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -51,28 +52,53 @@ def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
     return sum(s.z_sum / s.n_tokens for s in stats)
 
 
+def routing_bias_update(counts: torch.Tensor, rate: float) -> torch.Tensor:
+    """The auxiliary-loss-free balancing step of one MoE layer from its step's selections per expert ``counts``
+    [E] (all ranks' and microbatches'): ``rate`` towards every expert below the mean load, away from every one
+    above (``rate * sign(mean - count)``), centred to sum 0 (torchtitan's form of DeepSeek-V3's rule; only
+    differences between biases change the top k)."""
+    delta = rate * torch.sign(counts.mean() - counts)
+    return delta - delta.mean()
+
+
 def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``torch._grouped_mm`` runs for these operands (CPU: bf16/fp32; CUDA: bf16 on SM >= 9.0)."""
+    """Whether ``torch._grouped_mm`` runs for these operands (CPU: bf16/fp32; CUDA: bf16 on SM >= 9.0).
+
+    Under torch.compile only bf16 does: the op's fake-tensor kernel, which tracing runs, accepts nothing else (it
+    mirrors the CUDA kernel's checks), so a compiled fp32 block runs the experts as the loop."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    if torch.compiler.is_compiling():
+        return device.type == "cpu" and dtype == torch.bfloat16
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool, frozen: bool = False):
+    """``gate`` (the router's linear) and, with ``bias``, the auxiliary-loss-free balancing bias ``expert_bias``
+    (fp32 [E], a buffer: no gradient trains it, the objective moves it after every step towards the under-loaded
+    experts; DeepSeek-V3's scheme as torchtitan runs it on softmax routers). The bias only decides which experts a
+    token goes to (the top k of probabilities + bias); the chosen experts are weighted by their probabilities."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool, frozen: bool = False,
+                 bias: bool = False):
         super().__init__()
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.gate.weight.requires_grad_(not frozen)  # a frozen router keeps the base model's routing
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.register_buffer("expert_bias", torch.zeros(n_experts) if bias else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (probabilities fp32 [N, E], top-k weights [N, k] in x's dtype, top-k experts [N, k],
         sum over tokens of logsumexp(logits)^2 in fp32)."""
         logits = self.gate(x)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        top_p, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            top_p, top_i = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            top_i = torch.topk(probs + self.expert_bias.float(), self.top_k, dim=-1).indices
+            top_p = probs.gather(-1, top_i)
         if self.norm_topk_prob:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum()
@@ -81,7 +107,7 @@ class Router(nn.Module):
 
 def local(w: torch.Tensor) -> torch.Tensor:
     """This rank's part of a weight (the experts it holds under expert parallel)."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def expert_matmul(counts: torch.Tensor, impl: str):
@@ -136,9 +162,9 @@ class MoE(nn.Module):
     built by the caller)."""
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool,
-                 impl: str = "auto", freeze_router: bool = False):
+                 impl: str = "auto", freeze_router: bool = False, router_bias: bool = False):
         super().__init__()
-        self.router = Router(dim, n_experts, top_k, norm_topk_prob, freeze_router)
+        self.router = Router(dim, n_experts, top_k, norm_topk_prob, freeze_router, router_bias)
         self.experts = GroupedExperts(dim, ffn_dim, n_experts)
         self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
         # Expert parallel replaces this (parallel.expert_parallel): (experts, rows sorted by expert, rows per
@@ -152,7 +178,9 @@ class MoE(nn.Module):
         expert_of = top_i.reshape(-1)  # [N * k]: the expert of each (token, slot) pair
         order = torch.argsort(expert_of, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(expert_of, minlength=self.n_experts)
+        # A fixed-size histogram (bincount's length depends on the data, which a compiled graph cannot have).
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, expert_of, torch.ones_like(expert_of))
         impl = self.impl
         if impl == "auto":
             impl = "grouped" if grouped_mm_available(x.dtype, x.device) else "loop"
@@ -163,6 +191,8 @@ class MoE(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, std=std, a=-3 * std, b=3 * std)
+        if self.router.expert_bias is not None:
+            self.router.expert_bias.zero_()
         self.experts.init_weights(std, out_std)
 
 

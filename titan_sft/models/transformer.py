@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_sft.models.attention import AttentionBackend, AttentionMask
-from titan_sft.models.moe import MoE, RouterStats, moe_layer_ids
+from titan_sft.models.moe import MoE, Router, RouterStats, moe_layer_ids
 
 
 @dataclass
@@ -88,6 +88,7 @@ class TransformerArgs:
     causal: bool = True
     moe_impl: str = "auto"  # experts as one grouped GEMM ("grouped"), a loop ("loop"), or grouped where it runs
     freeze_router: bool = False  # routers' weights do not train
+    router_bias: bool = False  # a routing bias per MoE layer (aux-loss-free balancing): picks experts, weights none
     extra: dict = field(default_factory=dict)  # HF config fields we carry through export untouched
 
     def moe_layers(self) -> list[int]:
@@ -228,7 +229,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = layer_id in args.moe_layers()
         self.feed_forward = (MoE(args.dim, args.moe_ffn_dim, args.n_experts, args.n_experts_per_tok,
-                                 args.norm_topk_prob, args.moe_impl, args.freeze_router)
+                                 args.norm_topk_prob, args.moe_impl, args.freeze_router, args.router_bias)
                              if self.moe else FeedForward(args.dim, args.ffn_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -294,6 +295,12 @@ class Transformer(nn.Module):
         # to_empty gives every parameter slot fresh storage, which unties a shared head; tie it again.
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
+        # The routing biases are state without a random init (the seeded init only fills parameters): zero here,
+        # on every rank, until a checkpoint or HF directory overwrites them.
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, Router) and m.expert_bias is not None:
+                    m.expert_bias.zero_()
         return self
 
     def init_parts(self, std: float = 0.02) -> list[tuple[str, Callable[[nn.Module], None]]]:

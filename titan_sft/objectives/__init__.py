@@ -18,6 +18,8 @@ An objective owns everything between the data and the gradient that differs from
 * ``step_sums()``: this rank's per-step sums (device scalars, e.g. component losses) that the trainer adds to the
   step's one all-reduce; the agreed values come back through ``step_metrics(sums)``;
 * ``step_metrics(sums)``: extra fields of the step's train record;
+* ``end_step(model, sums)``: after the optimizer step, with the same sums: state that follows the step outside
+  the optimizer (here: the aux-loss-free routing biases); returns more fields for the record;
 * ``build_validator(model)``: what runs every so often and at the end (or None).
 
 Register one with ``titan_sft.registry.register_objective(name, build)`` where ``build(cfg)`` returns an
@@ -166,6 +168,23 @@ class Objective:
         forwards = self.cfg.training.global_batch_size // self.cfg.training.per_device_batch
         counts = torch.tensor(sums[2:], dtype=torch.float64).view(-1, self._n_experts)
         return {"aux_loss": sums[0] / forwards, "z_loss": sums[1] / forwards, **expert_load(counts, self._moe_layers)}
+
+    def end_step(self, model: torch.nn.Module, sums: list[float] = ()) -> dict[str, Any]:
+        """After the optimizer step, with the step's agreed sums: with ``model.router_bias_rate``, every MoE
+        layer's routing bias moves by ``models.moe.routing_bias_update`` of the step's selections per expert (all
+        ranks' and microbatches'), the same on every rank. Returns the largest bias magnitude for the record."""
+        rate = self.cfg.model.router_bias_rate
+        if not rate or not sums:
+            return {}
+        from titan_sft.models.moe import Router, routing_bias_update
+
+        counts = torch.tensor(sums[2:], dtype=torch.float64).view(-1, self._n_experts)
+        routers = [m for m in model.modules() if isinstance(m, Router)]
+        with torch.no_grad():
+            for router, layer_counts in zip(routers, counts, strict=True):
+                bias = router.expert_bias
+                bias.add_(routing_bias_update(layer_counts, rate).to(bias.device, bias.dtype))
+        return {"router_bias_max": max(r.expert_bias.abs().max().item() for r in routers)}
 
     def head_positions(self, mb: Any) -> int:
         """How many positions of ``mb`` the output head is applied to (for the FLOP count): all of them, unless

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
@@ -95,7 +96,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2
 
 def apply_compile(model: nn.Module) -> None:
     """Compiles each block separately (identical blocks share one compiled graph, and compile time stays short),
-    with ``fullgraph=True``: a graph break is a bug to fix, not a silent slowdown."""
+    with ``fullgraph=True``: a graph break is a bug to fix, not a silent slowdown.
+
+    Routed experts have data-dependent sizes (rows per expert, the all-to-all's splits under expert parallel);
+    ``capture_scalar_outputs`` lets them into the graph as unbacked symbols, so one graph serves every routing."""
+    torch._dynamo.config.capture_scalar_outputs = True
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
@@ -123,22 +128,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     The head stays in the root group. The root is not resharded after forward, so the objective, which applies
     the head to the hidden states after ``model(...)`` returns, and a tied embedding both see one unsharded
     tensor, and the head's gradient is reduced with the root's at the end of backward. Under expert parallel
-    (``experts_mesh``: the ranks holding the same experts) each block's experts form an FSDP group of their own
-    over that mesh; their gradients are summed over it, never across the ep ranks that hold other experts.
+    (``experts_mesh``: the ranks holding the same experts) each block's experts are sharded over that mesh instead:
+    their gradients are summed over it, never across the ep ranks that hold other experts. They stay in their
+    block's FSDP module (a second parameter group, FSDP2's per-parameter mesh), so no FSDP hook sits inside the
+    block and a compiled block has no graph break there.
     A pipeline stage is sharded the same way: keeping its blocks gathered between its microbatches' forwards and
     backwards (torchtitan's default under PP) would save their all-gathers but hold the stage's bf16 weights whole
     (Llama-70B's 21-layer pp rank: 36 GB).
     """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
     from titan_sft.models.moe import GroupedExperts
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else None
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
-        if experts_mesh is not None:
-            for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
-                fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+        placement = None
+        experts = {p for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        if experts_info is not None and experts:
+            def placement(p: nn.Parameter, experts=experts):
+                return ShardPlacementResult(Shard(0), experts_info) if p in experts else None
         # The last block's params are needed first in backward: keep them gathered after forward.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # Sum, not average, across ranks: the loss is already normalised by global token counts (recipe item 10).
     # Both settings are per FSDP module.
@@ -195,10 +208,17 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         from titan_sft.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"], cfg.parallelism.cp_mode)
+    # Whole-block recompute (full, every_n) around a compiled block under tp: compiled the other way round, torch
+    # 2.13's AOTAutograd tries to save the DTensors' DeviceMesh for backward and fails at step 1. The compiled
+    # forward then runs again in backward, as eager full AC reruns the block. Selective AC needs the op-level
+    # policy inside the compiled graph, and traces there.
+    compile_first = t.compile and mesh["tp"].size() > 1 and t.activation_checkpoint in ("full", "every_n")
+    if compile_first:
+        apply_compile(model)
     if t.activation_checkpoint != "none":
         dropout = "lora" in cfg.model.converters and cfg.lora.dropout > 0
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
-    if t.compile:
+    if t.compile and not compile_first:
         apply_compile(model)
     experts_mesh = None
     if mesh["ep"].size() > 1:  # the ranks holding the same experts: FSDP over them (and over cp, where it exists)
