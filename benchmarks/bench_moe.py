@@ -3,7 +3,9 @@
     python benchmarks/bench_moe.py [--tokens 4096 --dim 1024 --ffn 384 --experts 32 --top-k 4 --runs 5]
 
 1. One MoE layer (router, permutation, experts, combine), forward + backward, ``impl = "grouped"`` against
-   ``impl = "loop"`` on the same weights and tokens, in bf16 and fp32; medians of ``--runs`` after a warm-up.
+   ``impl = "loop"`` on the same weights and tokens, in bf16 and fp32, and the layer under torch.compile
+   (fullgraph, as ``training.compile`` compiles it: bf16 grouped; fp32 the loop, which is what traces) against
+   eager; medians of ``--runs`` after a warm-up (the compile is in the warm-up).
 2. The debug_moe model for ``--steps`` steps on 2 ranks (gloo, one thread each): ``parallelism.ep = 2`` (tokens
    exchanged by all-to-all) against ``ep = 1`` (FSDP only); median step time of the steps after the first.
 """
@@ -24,13 +26,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def time_layer(impl: str, dtype: torch.dtype, a) -> float:
+def time_layer(impl: str, dtype: torch.dtype, a, compiled: bool = False) -> float:
     from titan_sft.models.moe import MoE
 
     torch.manual_seed(0)
     moe = MoE(a.dim, a.ffn, a.experts, a.top_k, True, impl=impl).to(dtype)
     with torch.no_grad():
         moe.init_weights(0.02, 0.02)
+    if compiled:
+        torch._dynamo.config.capture_scalar_outputs = True  # as parallelize.apply_compile sets it
+        moe = torch.compile(moe, fullgraph=True)
     x = torch.randn(1, a.tokens, a.dim, dtype=dtype, requires_grad=True)
     g = torch.randn(1, a.tokens, a.dim, dtype=dtype)
     times = []
@@ -71,6 +76,10 @@ def main() -> None:
         grouped, loop = time_layer("grouped", dtype, a), time_layer("loop", dtype, a)
         print(f"  {str(dtype).removeprefix('torch.')}: grouped GEMM {grouped * 1e3:.1f} ms, per-expert loop "
               f"{loop * 1e3:.1f} ms: grouped / loop = {grouped / loop:.2f}")
+        eager = grouped if dtype == torch.bfloat16 else loop
+        compiled = time_layer("auto", dtype, a, compiled=True)
+        print(f"  {str(dtype).removeprefix('torch.')} compiled ({'grouped' if dtype == torch.bfloat16 else 'loop'}): "
+              f"{compiled * 1e3:.1f} ms: compiled / eager = {compiled / eager:.2f}")
     with tempfile.TemporaryDirectory() as d:
         one, two = step_time(1, a.steps, Path(d) / "ep1"), step_time(2, a.steps, Path(d) / "ep2")
     print(f"debug_moe, 2 ranks, median step time: ep 1 {one * 1e3:.1f} ms, ep 2 {two * 1e3:.1f} ms: "

@@ -15,7 +15,7 @@
 #   (c) the same with float8 rowwise and tensorwise                    120 s
 #   (d) attention alone: varlen vs sdpa vs flex (vs flash_varlen)       30 s
 #   (e) Qwen3-1.7B bf16 + compile + varlen                              45 s
-#   (g) 4 Qwen3-30B-A3B layers (MoE, grouped GEMM), bf16 and float8 attention, no compile    90 s
+#   (g) 4 Qwen3-30B-A3B layers (MoE, grouped GEMM), bf16 eager and compiled, float8 attention    130 s
 #   (h) Qwen3-4B, 32k packed rows, full AC, varlen and flex: the single-GPU baseline context parallel divides
 #       (cp > 1 needs more GPUs: the command is printed at the end and in docs/performance.md)    120 s
 #   (f) more cases (eager, compiled loss, full AC, flex, flash) while the deadline allows
@@ -138,7 +138,7 @@ phase c_4b_float8 120 - "${BENCH[@]}" --cases 4b_f8_rowwise_compile_varlen,4b_f8
 phase d_attention 30 - "$PY" benchmarks/bench_attention.py "${MODE_ARGS[@]}" --jsonl "$OUT/gpu_check.jsonl" \
   --table "$OUT/gpu_check.md"
 phase e_1_7b 45 - "${BENCH[@]}" --cases 1.7b_bf16_compile_varlen
-phase g_moe 90 - "${BENCH[@]}" --cases moe_30b_a3b_4l_bf16_varlen,moe_30b_a3b_4l_f8_rowwise_varlen
+phase g_moe 130 - "${BENCH[@]}" --cases moe_30b_a3b_4l_bf16_varlen,moe_30b_a3b_4l_bf16_compile_varlen,moe_30b_a3b_4l_f8_rowwise_varlen
 phase h_32k 120 - "${BENCH[@]}" --seq-len 32768 --cases 4b_32k_bf16_compile_varlen_full_ac,4b_32k_bf16_compile_flex_full_ac
 phase f_more 600 - "${BENCH[@]}" --cases 4b_bf16_eager_varlen,4b_bf16_compile_loss_varlen,1.7b_bf16_compile_flex,\
 1.7b_bf16_compile_flash_varlen,4b_bf16_compile_varlen_full_ac
