@@ -102,12 +102,14 @@ def _mixture_lines(cfg: JobConfig) -> tuple[int | None, int, list[str]]:
     return ds.seq_len, T, lines
 
 
-def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen_bytes: int = 4) -> dict[str, float]:
+def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen_bytes: int = 4,
+                    ep: int = 1) -> dict[str, float]:
     """Bytes per rank of parameters (trainable ones fp32, frozen ones ``frozen_bytes`` each: bf16 when the compute
     dtype is, see ``parallelize.store_frozen_params``), fp32 gradients and AdamW state (2 fp32 tensors).
 
     Parameters under a column-/row-wise style of the tensor-parallel plan are split tp ways (norm weights are
-    replicated); FSDP splits everything dp_shard ways. ``deferred_grads``: the whole (unsharded over dp) fp32
+    replicated); FSDP splits everything dp_shard ways, and a routed MoE's routers (and its experts without ep) tp
+    ways as well: each tp rank trains them on its own tokens (``parallel.tensor_parallel``). ``deferred_grads``: the whole (unsharded over dp) fp32
     gradients that ``grad_reduce = "last_microbatch"`` keeps between microbatches. Gradients and optimizer state
     exist for trainable parameters only (LoRA freezes the base).
     """
@@ -120,7 +122,12 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen
         generic = ".".join(["layers", "*", *parts[2:]]) if parts[0] == "layers" else name
         return any(generic.startswith(f + ".") for f in split)
 
-    sizes = [(p.numel() / (tp if tp > 1 and is_split(n) else 1), p.requires_grad) for n, p in model.named_parameters()]
+    def tp_ways(name: str) -> int:
+        if ".feed_forward.router." in name or (".feed_forward.experts." in name and ep == 1):
+            return tp
+        return tp if is_split(name) else 1
+
+    sizes = [(p.numel() / tp_ways(n), p.requires_grad) for n, p in model.named_parameters()]
     per_tp = sum(n for n, _ in sizes)
     trained = sum(n for n, g in sizes if g)
     return {"params": (4 * trained + frozen_bytes * (per_tp - trained)) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
@@ -266,7 +273,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"{pplan.layers}", *pplan.describe(),
             f"memory below: pp rank {heaviest} (the heaviest: {parts[heaviest][0]} layers); activations of up to "
             f"{in_flight} microbatches in flight on it"]
-    mem = memory_per_rank(model, plan, dp_shard * cp, tp, dtype_bytes)
+    mem = memory_per_rank(model, plan, dp_shard * cp, tp, dtype_bytes, ep)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
     layout = [
         f"mesh: {f'pp {pp} x ' if pp > 1 else ''}dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} = "

@@ -33,6 +33,7 @@ from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, init_sharded, shutdown
+from titan_sft.parallel.distributed import sum_gradients_over_tp
 from titan_sft.parallel.context_parallel import sequence_shard
 from titan_sft.parallel.pipeline_parallel import (build_pipelined_model, check_pipeline_parallel, stage_inputs,
                                                   startup_check_on_first_stage)
@@ -96,6 +97,8 @@ class Trainer:
             spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
         # context parallel: each rank's part of the rows
         self.objective.shard_sequence(sequence_shard(model), d.mesh["cp"].get_group())
+        if self.args.n_experts and d.mesh["tp"].size() > 1:  # each tp rank routes its own sequence slice
+            self.objective.split_router_tokens(d.mesh["tp"].get_group())
         model.to_empty(device=d.device)
         self._init_weights(model)
         self.model = model
@@ -239,6 +242,7 @@ class Trainer:
             grad_norm = clip_grad_norm_(self.model.counted_parameters(), self.cfg.training.max_grad_norm,
                                         self.dist.mesh["pp"].get_group(), self.model.tied_copies())
         else:
+            sum_gradients_over_tp(self.model)
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.checkpointer.wait_staged()  # an async save must finish copying the state before it changes

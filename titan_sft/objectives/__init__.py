@@ -70,6 +70,7 @@ class Objective:
         self.dp_group = None  # the data-parallel process group (None: all ranks); set by bind()
         self.loss_group = None  # the data-parallel x context-parallel group (None: all ranks); set by bind()
         self.cp = self.cp_group = None  # this rank's SequenceShard and the cp ranks; set by shard_sequence()
+        self.router_tp_group = None  # tp ranks that route different tokens of the same rows; split_router_tokens()
 
     def bind(self, dp_group, loss_group=None) -> None:
         """Tells the objective which ranks hold different data (``dp_group``: tensor- and context-parallel ranks
@@ -82,6 +83,11 @@ class Objective:
         """Under context parallel (``shard``: this rank's ``parallel.context_parallel.SequenceShard``; None
         without; ``group``: the cp ranks) every forward runs on this rank's part of the rows (:meth:`local`)."""
         self.cp, self.cp_group = shard, group
+
+    def split_router_tokens(self, tp_group) -> None:
+        """Under tensor parallel (``tp_group``) each tp rank's routers see only its sequence slice of the tokens
+        (``parallel.tensor_parallel``), as each cp rank's see only its part of the rows."""
+        self.router_tp_group = tp_group
 
     def local(self, mb: Any) -> Any:
         """This rank's part of microbatch ``mb`` under context parallel (``mb.shard``), else ``mb`` itself."""
@@ -122,8 +128,9 @@ class Objective:
         args, o = model.args, self.cfg.objective
         coef = args.router_aux_loss_coef if o.router_aux_loss_coef < 0 else o.router_aux_loss_coef
         share = 1.0
-        if self.cp is not None:  # the routers' statistics of the whole rows, then each cp rank adds its share
-            stats, share = self._rows_router_stats(stats), 1.0 / self.cp.size
+        if self.cp is not None or self.router_tp_group is not None:  # the routers' statistics of the whole rows
+            stats = self._rows_router_stats(stats)
+            share = 1.0 / self.cp.size if self.cp is not None else 1.0  # each cp rank adds its share
         aux, z = load_balancing_loss(stats, args.n_experts), router_z_loss(stats)
         self._n_experts, self._moe_layers = args.n_experts, args.moe_layers()
         counts = torch.stack([s.counts for s in stats])
@@ -137,20 +144,30 @@ class Objective:
         return loss
 
     def _rows_router_stats(self, stats: list) -> list:
-        """Under context parallel: every MoE layer's router statistics summed over the cp ranks (differentiably),
-        i.e. those of the whole rows. The load-balancing loss is a product of two token means, so the shards'
-        own losses would not add up to the row's; every cp rank computes the row's and adds 1 / cp of it (the
-        all-reduce's backward sums the gradients back onto each rank's tokens)."""
+        """Under context and/or tensor parallel: every MoE layer's router statistics summed over the cp and tp
+        ranks (differentiably), i.e. those of the whole rows. The load-balancing loss is a product of two token
+        means, so the parts' own losses would not add up to the row's.
+
+        * tp ranks compute the same loss (each backpropagates it whole, as with the cross-entropy): the sum over
+          them passes the gradient back unchanged (Megatron's "g");
+        * cp ranks compute their parts' losses, which are summed: every cp rank adds 1 / cp of the row's, and the
+          sum's backward adds the cp ranks' gradients back onto each rank's tokens."""
         from titan_sft.models.moe import RouterStats
         from titan_sft.parallel import comm
 
-        group = self.cp_group
+        rows = self.cp.size if self.cp is not None else 1  # n_tokens counts this cp part's positions (tp: all)
         out = []
         for s in stats:
-            counts = comm.all_reduce(s.counts.detach().clone(), group=group, what="router counts over cp")
-            prob = comm.all_reduce_autograd(s.prob_sum, group, what="router probabilities over cp")
-            z = comm.all_reduce_autograd(s.z_sum, group, what="router z-loss over cp")
-            out.append(RouterStats(counts, prob, z, s.n_tokens * self.cp.size))
+            counts, prob, z = s.counts.detach().clone(), s.prob_sum, s.z_sum
+            if self.router_tp_group is not None:
+                comm.all_reduce(counts, group=self.router_tp_group, what="router counts over tp")
+                prob = comm.all_reduce_same_loss(prob, self.router_tp_group, what="router probabilities over tp")
+                z = comm.all_reduce_same_loss(z, self.router_tp_group, what="router z-loss over tp")
+            if self.cp is not None:
+                comm.all_reduce(counts, group=self.cp_group, what="router counts over cp")
+                prob = comm.all_reduce_autograd(prob, self.cp_group, what="router probabilities over cp")
+                z = comm.all_reduce_autograd(z, self.cp_group, what="router z-loss over cp")
+            out.append(RouterStats(counts, prob, z, s.n_tokens * rows))
         return out
 
     def step_sums(self) -> list[torch.Tensor]:

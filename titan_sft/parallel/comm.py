@@ -77,6 +77,25 @@ def all_reduce_autograd(t: torch.Tensor, group, what: str = "all_reduce") -> tor
     return all_reduce_fn(t, group=group)
 
 
+class _AllReduceSameLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_reduce_same_loss(t: torch.Tensor, group, what: str = "all_reduce") -> torch.Tensor:
+    """The sum of ``t`` over ``group`` for ranks that then compute the same loss from it and each backpropagate it
+    whole (tensor-parallel ranks): the gradient passes back unchanged, not summed over the group."""
+    _check(t, what)
+    return _AllReduceSameLoss.apply(t, group)
+
+
 def broadcast(t: torch.Tensor, src: int = 0, group=None, what: str = "broadcast") -> torch.Tensor:
     """In-place broadcast of ``t`` from global rank ``src`` (returned); a no-op without a process group."""
     _check(t, what)

@@ -90,6 +90,21 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     return DistInfo(rank, world, local_rank, device, dims, mesh, dp_flat, dp_cp)
 
 
+def sum_gradients_over_tp(model: torch.nn.Module) -> None:
+    """Sums, over the tp ranks, the gradients of the parameters ``model.tp_summed_params`` names (expert parallel
+    x tp: experts every tp rank trains on its own tokens, whose FSDP mesh cannot include tp); one all-reduce of
+    the step's (sharded) gradients, before clipping. Nothing to do for other models."""
+    from torch.distributed.tensor import DTensor
+
+    params, group = getattr(model, "tp_summed_params", ((), None))
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), group=group, what="expert gradients over tp")
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 def clip_grad_norm_(params, max_norm: float, pp_group=None, copies=()) -> float:
     """Global L2 norm of all gradients over all shards (pre-clip: what is logged), then clipping if max_norm > 0.
 

@@ -17,7 +17,10 @@ One 6-D mesh ``(pp, dp_replicate, dp_shard_mod_ep, cp, ep, tp)`` (sizes may be 1
   ranks among them route other tokens of the same rows to them). cp sits before ep in the mesh so that
   (dp_shard_mod_ep, cp) are adjacent dimensions: DTensor redistributes the experts' 2-D shards over a flattened
   mesh only when its dimensions come in order;
-* ``tp``: tensor/sequence parallel; its ranks see the same data and hold slices of the same layers.
+* ``tp``: tensor/sequence parallel; its ranks see the same data and hold slices of the same layers. Routed
+  experts are the exception: each tp rank runs them on its own sequence slice, so their parameters (and the
+  routers') are FSDP-sharded over the tp ranks as well (:func:`moe_fsdp_meshes`), and the objective sums the
+  router statistics of whole rows over them.
 """
 
 from __future__ import annotations
@@ -72,3 +75,28 @@ class ParallelDims:
                 f"{f' x CP {self.cp}' if self.cp > 1 else ''}"
                 f"{' x TP + SP' if self.tp > 1 else ''}{f' x EP {self.ep}' if self.ep > 1 else ''}"
                 f"{f' x PP {self.pp}' if self.pp > 1 else ''})")
+
+
+def flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> str:
+    """The name of ``dims`` of ``mesh`` as one flattened dimension (made the first time it is asked for; every rank
+    must ask in the same order, as it creates a process group); one dimension is its own name."""
+    if len(dims) == 1:
+        return dims[0]
+    name = "_".join(dims)
+    if name not in mesh._get_root_mesh()._flatten_mapping:
+        mesh[dims]._flatten(name)
+    return name
+
+
+def moe_fsdp_meshes(mesh: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """The FSDP meshes of a model with routed experts, where they differ from the other parameters'
+    (dp_replicate, dp_shard_cp): (routers' and, without ep, experts' mesh; experts' mesh under ep), None where
+    they do not differ. Under tp the MoE's parameters are plain tensors every tp rank trains on its own tokens,
+    so they are sharded over the tp ranks too. Under ep the experts are sharded over the ranks holding the same
+    experts within a tp rank: their 2-D shards (FSDP x ep) need mesh dimensions in order, and tp comes after ep,
+    so under ep x tp their gradients are summed over tp apart (``distributed.sum_gradients_over_tp``)."""
+    tp, cp, ep = (mesh[d].size() > 1 for d in ("tp", "cp", "ep"))
+    moe = mesh["dp_replicate", flattened(mesh, ("dp_shard_mod_ep", "cp", "ep", "tp"))] if tp else None
+    experts = mesh["dp_replicate", flattened(mesh, ("dp_shard_mod_ep", "cp") if cp else ("dp_shard_mod_ep",))] if ep else None
+    return moe, experts
+

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
+from titan_sft.parallel.parallel_dims import moe_fsdp_meshes
 from titan_sft.parallel.tensor_parallel import TPPlan, apply_tp, float8_tp_plan
 from titan_sft.registry import get_converter
 
@@ -122,7 +123,7 @@ def store_frozen_params(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               experts_mesh: DeviceMesh | None = None) -> None:
+               experts_mesh: DeviceMesh | None = None, moe_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per block, then the root (embeddings, final norm, output head).
 
     The head stays in the root group. The root is not resharded after forward, so the objective, which applies
@@ -131,7 +132,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     (``experts_mesh``: the ranks holding the same experts) each block's experts are sharded over that mesh instead:
     their gradients are summed over it, never across the ep ranks that hold other experts. They stay in their
     block's FSDP module (a second parameter group, FSDP2's per-parameter mesh), so no FSDP hook sits inside the
-    block and a compiled block has no graph break there.
+    block and a compiled block has no graph break there. Under tp (``moe_mesh``) the routers, and the experts
+    without ep, are sharded over the data-parallel x tp ranks the same way: every tp rank trains them on its
+    own tokens, and the reduce-scatter sums their gradients over tp.
     A pipeline stage is sharded the same way: keeping its blocks gathered between its microbatches' forwards and
     backwards (torchtitan's default under PP) would save their all-gathers but hold the stage's bf16 weights whole
     (Llama-70B's 21-layer pp rank: 36 GB).
@@ -139,17 +142,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 
-    from titan_sft.models.moe import GroupedExperts
+    from titan_sft.models.moe import GroupedExperts, Router
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else None
+    moe_info = _get_mesh_info(moe_mesh) if moe_mesh is not None else None
+    experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else moe_info
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
         placement = None
-        experts = {p for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        if experts_info is not None and experts:
-            def placement(p: nn.Parameter, experts=experts):
-                return ShardPlacementResult(Shard(0), experts_info) if p in experts else None
+        own = {p: experts_info for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        own.update({p: moe_info for m in block.modules() if isinstance(m, Router) for p in m.parameters()})
+        own = {p: info for p, info in own.items() if info is not None}
+        if own:
+            def placement(p: nn.Parameter, own=own):
+                return ShardPlacementResult(Shard(0), own[p]) if p in own else None
         # The last block's params are needed first in backward: keep them gathered after forward.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -220,8 +226,14 @@ def parallelize_transformer(model: nn.Module, mesh: DeviceMesh, cfg: JobConfig, 
         apply_activation_checkpointing(model, t.activation_checkpoint, t.ac_every_n, preserve_rng=dropout)
     if t.compile and not compile_first:
         apply_compile(model)
-    experts_mesh = None
-    if mesh["ep"].size() > 1:  # the ranks holding the same experts: FSDP over them (and over cp, where it exists)
-        experts_mesh = mesh["dp_replicate", "dp_shard_mod_ep_cp" if mesh["cp"].size() > 1 else "dp_shard_mod_ep"]
-    apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh)
+    moe_mesh = experts_mesh = None
+    if model.args.n_experts:
+        moe_mesh, experts_mesh = moe_fsdp_meshes(mesh)
+    apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"], DTYPES[t.param_dtype], DTYPES[t.reduce_dtype], experts_mesh,
+               moe_mesh)
+    if experts_mesh is not None and mesh["tp"].size() > 1:  # each tp rank's experts saw its own tokens
+        from titan_sft.models.moe import GroupedExperts
+
+        model.tp_summed_params = ([p for m in model.modules() if isinstance(m, GroupedExperts)
+                                   for p in m.parameters() if p.requires_grad], mesh["tp"].get_group())
     return model

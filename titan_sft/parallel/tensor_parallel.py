@@ -8,11 +8,14 @@ loss then runs on vocab slices (``titan_sft.loss.vocab_parallel_cross_entropy_su
 keep a replicated weight and see the local heads (sharded on the head dimension); their weight gradients are
 partial sums, reduced across the tp ranks.
 
-A routed mixture of experts (``models.moe.MoE``) is not split by tp: its input is all-gathered, every tp rank
-runs the whole MoE on the whole sequence with the same router and experts (plain tensors, not tp DTensors:
-equal at init, given equal gradients, so equal ever after), and takes its sequence slice of the output. The
-expert FLOPs are repeated tp times, which costs what TP saves on the dense layers; the experts are split across
-ranks by expert parallel (``parallel.expert_parallel``) instead, as torchtitan does with etp = 1.
+A routed mixture of experts (``models.moe.MoE``) works token by token, so under tp it runs on this rank's
+sequence slice as it stands: no all-gather on entry, no slicing on exit, and no expert FLOP repeated over the tp
+ranks (torchtitan's etp = 1 splits the tokens over tp the same way). Its router and experts are plain tensors,
+equal on the tp ranks; each rank's gradients are those of its own tokens, and FSDP sums them over the tp ranks
+too (parallelize.apply_fsdp shards the MoE's parameters over the data-parallel x tp ranks), as over cp ranks. The
+load-balancing loss needs the whole rows' router statistics: the objective sums them over the tp ranks
+(``Objective.split_router_tokens``). The experts are split across ranks by expert parallel
+(``parallel.expert_parallel``); each tp rank sends its own tokens to its ep peers.
 
 A family's plan is ``(root_plan, block_plan)``: ``{submodule FQN: ParallelStyle}`` for the model and for every
 transformer block; ``families/<name>.py`` builds its own from :func:`decoder_tp_plan`.
@@ -26,7 +29,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -78,25 +80,21 @@ def decoder_tp_plan(qk_norm: bool) -> TPPlan:
     return root, block
 
 
-def replicated_moe_style() -> PrepareModuleInputOutput:
-    """The style of a routed-experts MLP under tp (see the module docstring): in, the sequence slices are
-    all-gathered; out, the MoE's hidden states (the first of its outputs; the router statistics pass through,
-    equal on every tp rank) are cut back to this rank's slice. In backward the output's gradient is all-gathered,
-    so every rank's MoE sees the whole gradient, and the input's gradient is sliced (never summed over tp)."""
-    return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                    use_local_input=True, output_layouts=(Replicate(), None, None, None),
-                                    desired_output_layouts=(Shard(1), None, None, None), use_local_output=True)
+def token_parallel_moe_style() -> PrepareModuleInput:
+    """The style of a routed-experts MLP under tp (see the module docstring): this rank's sequence slice goes in
+    as a plain tensor; the output (the MoE's hidden states, then its router statistics) is this slice's."""
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
 
 
 def block_plan_for(block: nn.Module, block_plan: dict) -> dict:
     """``block_plan`` for this block: a block whose MLP is a routed mixture of experts gets
-    :func:`replicated_moe_style` in place of the dense MLP's entries."""
+    :func:`token_parallel_moe_style` in place of the dense MLP's entries."""
     from titan_sft.models.moe import MoE
 
     if not isinstance(getattr(block, "feed_forward", None), MoE):
         return block_plan
     plan = {k: v for k, v in block_plan.items() if k != "feed_forward" and not k.startswith("feed_forward.")}
-    plan["feed_forward"] = replicated_moe_style()
+    plan["feed_forward"] = token_parallel_moe_style()
     return plan
 
 
@@ -155,8 +153,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
-def describe_style(fqn: str, style) -> str:
-    """A short human description of a ParallelStyle for the dry run."""
+def describe_style(fqn: str, style, moe: bool = False) -> str:
+    """A short human description of a ParallelStyle for the dry run (``moe``: the style of a routed-experts MLP)."""
     if fqn == "tok_embeddings":
         return "vocab-parallel embedding, output reduce-scattered to sequence slices"
     if fqn == "output":
@@ -168,8 +166,9 @@ def describe_style(fqn: str, style) -> str:
         return "row-wise, partial sums reduce-scattered to sequence slices" + f8
     if isinstance(style, SequenceParallel):
         return "sequence parallel" if style.sequence_sharding[0].dim == 1 else "replicated weight on the local heads"
-    if isinstance(style, PrepareModuleInputOutput):
-        return "routed experts replicated over tp: sequence all-gathered on entry, sliced on exit"
+    if moe:
+        return ("routed experts on this rank's sequence slice (tokens split over tp, no expert FLOP repeated; "
+                "their gradients summed over tp by FSDP)")
     if isinstance(style, PrepareModuleInput):
         return "all-gathers the sequence slices on entry" + f8
     return type(style).__name__
@@ -182,5 +181,5 @@ def describe_plan(plan: TPPlan, moe_layers: list[int] = ()) -> list[str]:
     lines += [f"  layers.*.{fqn}: {describe_style(fqn, s)}" for fqn, s in block.items()]
     if moe_layers:
         lines.append(f"  layers.*.feed_forward of the {len(moe_layers)} MoE layers (the entries above are the dense "
-                     f"layers'): {describe_style('feed_forward', replicated_moe_style())}")
+                     f"layers'): {describe_style('feed_forward', token_parallel_moe_style(), moe=True)}")
     return lines
