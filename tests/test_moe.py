@@ -201,8 +201,9 @@ def _close(a, b, keys=("loss", "grad_norm", "aux_loss"), rel=1e-5):
 @pytest.mark.slow
 def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
     """EP 2, EP 2 x FSDP 2 (experts sharded over the ep ranks, FSDP over the ranks holding the same experts),
-    TP 2 x EP 2 with full AC and compiled blocks (attention and the dense layer split by tp, the MoE replicated
-    over tp) and EP 2 x cp 2
+    TP 2 (the MoE on each tp rank's sequence slice, its parameters FSDP-sharded over the tp ranks), TP 2 x EP 2
+    with full AC and compiled blocks (attention and the dense layer split by tp, the experts' gradients summed
+    over tp apart) and EP 2 x cp 2
     (each rank routes its part of the rows; the load-balancing loss is the whole rows'):
     losses, grad norms and aux losses of 3 steps within 1e-5 of one rank; an EP 2 checkpoint continues on one
     rank with the curve unchanged; the HF export of an EP run (label 2) equals the 1-rank export."""
@@ -214,13 +215,14 @@ def test_expert_parallel_layouts_match_one_rank_resume_and_export(tmp_path):
                    steps=6)
     # compiled blocks as well: tp's vocab-parallel embedding hands a copy to the first compiled block (a to_local
     # view got a wrong gradient), full AC wraps the compiled block, the all-to-all splits are unbacked symbols
+    tp2 = _train(2, tmp_path / "tp2", "--parallelism.tp", "2")
     tp2ep2 = _train(4, tmp_path / "tp2ep2", "--parallelism.ep", "2", "--parallelism.tp", "2",
                     "--training.activation_checkpoint", "full", "--training.compile", "true")
     # context parallel x EP: the routers' statistics are summed over the cp ranks before the load-balancing loss,
     # the experts' gradients over the cp ranks holding the same experts
     ep2cp2 = _train(4, tmp_path / "ep2cp2", "--parallelism.cp", "2", "--parallelism.ep", "2",
                     "--training.stop_at_step", "3", steps=6)
-    for run in (ep2, ep2x2, tp2ep2, ep2cp2):
+    for run in (ep2, ep2x2, tp2, tp2ep2, ep2cp2):
         assert [r["step"] for r in run] == [1, 2, 3]
         for a, b in zip(run, one):
             _close(a, b)
