@@ -4,7 +4,6 @@ layouts with cp equal to one rank (causal and masked diffusion), resume cp 2 -> 
 gloo, fp32."""
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_parallel import close, run, run_first_steps_like
+from test_parallel import close, run, run_diffusion_layouts, run_first_steps_like
 
 from titan_sft.config import ConfigError, check_context_parallel, check_layout, load_config
 from titan_sft.data.collator import collate
@@ -150,17 +149,7 @@ def test_masked_diffusion_cp2_matches_one_rank(tmp_path):
             "--checkpoint.interval", "100", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
             "--validation.interval", "3", "--validation.max_packs", "8", "--validation.max_examples", "2",
             "--validation.generation_every", "1"]
-    out = []
-    for nproc, extra in ((1, []), (2, ["--parallelism.cp", "2"])):
-        dump = tmp_path / f"cp{nproc}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "titan_sft.train", "--config", "train_configs/debug_diffusion.toml", *args, *extra,
-               "--job.dump_folder", str(dump)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out.append([json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()])
-    one, two = out
+    one, two = run_diffusion_layouts(tmp_path, args, ["--parallelism.cp", "2"])
     assert [r["split"] for r in one] == [r["split"] for r in two] == ["train"] * 3 + ["validation", "test",
                                                                                         "generation"]
     for a, b in zip(two, one):

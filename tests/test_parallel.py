@@ -31,14 +31,21 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 
 
-def run(nproc, dump, *overrides):
+def run(nproc, dump, *overrides, config="train_configs/debug_model.toml", base=BASE):
+    """The trainer on ``nproc`` processes (torchrun, gloo, one thread each); its metrics.jsonl records."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titan_sft.train", "--config", "train_configs/debug_model.toml", *BASE,
-           "--job.dump_folder", str(dump), *overrides]
+           "-m", "titan_sft.train", "--config", config, *base, "--job.dump_folder", str(dump), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_diffusion_layouts(tmp_path, args, layout):
+    """The masked-diffusion debug job (train_configs/debug_diffusion.toml with ``args``) on 1 rank and on 2 ranks
+    with ``layout``'s overrides: (1-rank records, 2-rank records)."""
+    return tuple(run(n, tmp_path / f"{name}", *extra, config="train_configs/debug_diffusion.toml", base=args)
+                 for n, name, extra in ((1, "one", []), (2, "two", layout)))
 
 
 def close(a, b, rel):

@@ -3,7 +3,6 @@ before any model is built, and trainer runs on CPU over gloo that equal one rank
 and GPipe, pp 2 x FSDP 2, masked diffusion at pp 2; a pp 2 checkpoint resumes on 1 rank and on FSDP 2, and a pp 2
 HF export equals the 1-rank export."""
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_parallel import ROOT, close, run, run_first_steps_like
+from test_parallel import ROOT, close, one_rank, run, run_diffusion_layouts, run_first_steps_like  # noqa: F401
 from titan_sft.config import ConfigError, check_layout, load_config, pipeline_split
 from titan_sft.hf_io import model_args
 from titan_sft.parallel.pipeline_parallel import PipelinePlan, check_pipeline_parallel
@@ -100,12 +99,6 @@ PP_LAYOUTS = {  # name: (processes, overrides)
 }
 
 
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("pp_one_rank")
-    return dump, run(1, dump)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(PP_LAYOUTS))
 def test_pipeline_layouts_match_one_rank(one_rank, tmp_path, layout):
@@ -117,6 +110,9 @@ def test_pipeline_layouts_match_one_rank(one_rank, tmp_path, layout):
     run_first_steps_like(base, nproc, tmp_path / "run", overrides, 1e-5)
     if layout != "pp2_1f1b":
         return
+    # parameter_audit.json counts every stage's parameters (the tied head once), as one rank does
+    audits = [(d / "parameter_audit.json").read_text() for d in (tmp_path / "run", base_dump)]
+    assert audits[0] == audits[1] and '"Embedding"' in audits[0]
     ours, ref = (load_file(str(d / "hf" / "step-2" / "model.safetensors")) for d in (tmp_path / "run", base_dump))
     assert ours.keys() == ref.keys()
     for k in ref:
@@ -138,17 +134,7 @@ def test_masked_diffusion_pp2_matches_one_rank(tmp_path):
             "--validation.generation_eval_path", "", "--validation.keep_best", "false", "--training.steps", "3",
             "--training.global_batch_size", "8", "--training.per_device_batch", "2", "--checkpoint.interval", "100",
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
-    out = []
-    for nproc, extra in ((1, []), (2, ["--parallelism.pp", "2"])):
-        dump = tmp_path / f"pp{nproc}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-               "titan_sft.train", "--config", "train_configs/debug_diffusion.toml", *args, *extra,
-               "--job.dump_folder", str(dump)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out.append([json.loads(x) for x in (dump / "metrics.jsonl").read_text().splitlines()])
-    one, two = out
+    one, two = run_diffusion_layouts(tmp_path, args, ["--parallelism.pp", "2"])
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(two, one):
         assert close(a["loss"], b["loss"], 1e-5) and close(a["grad_norm"], b["grad_norm"], 1e-5), (a, b)

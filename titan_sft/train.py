@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from titan_sft.atomic import atomic_write_text
 from titan_sft.checkpoint import run_folder
@@ -282,13 +283,14 @@ class Trainer:
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
+        audit = parameter_audit(self.model, self.dist.mesh["pp"].get_group() if self.pipelined else None)
         if self.dist.rank == 0:
             out = Path(cfg.job.dump_folder)
             out.mkdir(parents=True, exist_ok=True)
             cfg.write_resolved(out / "resolved_config.json")
             if self.objective_record:
                 atomic_write_text(out / "objective.json", json.dumps(self.objective_record, indent=2) + "\n")
-            atomic_write_text(out / "parameter_audit.json", json.dumps(parameter_audit(self.model), indent=2) + "\n")
+            atomic_write_text(out / "parameter_audit.json", json.dumps(audit, indent=2) + "\n")
         if not cfg.training.skip_startup_checks:  # on resume too: the backend or its masks may have changed
             t = cfg.training
             hint = ("; float8 tensorwise shares one activation scale across the documents of a row, so this is "
@@ -340,14 +342,29 @@ class Trainer:
         shutdown()
 
 
-def parameter_audit(model: torch.nn.Module) -> dict:
+def parameter_audit(model: torch.nn.Module, pp_group=None) -> dict:
     """Trainable and frozen parameter counts in all and by module type, after every conversion (the reference
-    trainer's parameter_audit.json). DTensor shards count with their global size."""
+    trainer's parameter_audit.json). DTensor shards count with their global size; a tied embedding and head
+    count once (as the embedding). Under pipeline parallel (``pp_group``; call it on every rank) the counts of all
+    stages are summed, the last stage's copy of a tied head not counted."""
+    seen = {id(p) for p in getattr(model, "tied_copies", list)()}
     by_type: dict[str, dict[str, int]] = {}
     for module in model.modules():
         for _, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             entry = by_type.setdefault(type(module).__name__, {"trainable": 0, "frozen": 0})
             entry["trainable" if p.requires_grad else "frozen"] += p.numel()
+    if pp_group is not None:
+        parts = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, by_type, group=pp_group)
+        by_type = {}
+        for part in parts:
+            for name, counts in part.items():
+                entry = by_type.setdefault(name, {"trainable": 0, "frozen": 0})
+                for k in entry:
+                    entry[k] += counts[k]
     totals = {k: sum(e[k] for e in by_type.values()) for k in ("trainable", "frozen")}
     return {**totals, "by_module_type": dict(sorted(by_type.items()))}
 

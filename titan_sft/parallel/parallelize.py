@@ -149,13 +149,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else moe_info
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
-        placement = None
         own = {p: experts_info for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         own.update({p: moe_info for m in block.modules() if isinstance(m, Router) for p in m.parameters()})
-        own = {p: info for p, info in own.items() if info is not None}
-        if own:
-            def placement(p: nn.Parameter, own=own):
-                return ShardPlacementResult(Shard(0), own[p]) if p in own else None
+        own = {p: info for p, info in own.items() if info is not None}  # the MoE's parameters on their own mesh
+        placement = (lambda p, own=own: ShardPlacementResult(Shard(0), own[p]) if p in own else None) if own else None
         # The last block's params are needed first in backward: keep them gathered after forward.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -26,7 +26,6 @@ over stages), tensor and context parallel inside a stage, and validation or gene
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
