@@ -5,6 +5,7 @@ auxiliary loss as HF does, and FSDP 2 gives the 1-rank numbers, also when traini
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -257,8 +258,6 @@ def test_impossible_expert_parallel_layouts_fail_with_one_line():
 def test_training_from_an_hf_moe_directory_matches_one_rank(tmp_path, layout):
     """Training starts from an HF qwen3_moe directory (under FSDP 2 or EP 2 each rank reads only the experts it
     holds); losses, grad norms and the aux loss of 3 steps equal one rank's within 1e-5."""
-    import shutil
-
     hf = tmp_path / "hf"
     _hf_moe(hf, vocab=512, mlp_only_layers=[0])
     for f in (ROOT / "titan_sft/assets/debug_tokenizer").iterdir():
@@ -384,6 +383,34 @@ def test_the_routing_bias_trains_alike_on_ep2_resumes_and_travels_with_the_expor
         ours.layers[i].feed_forward.router.expert_bias = None
     with torch.no_grad():
         assert torch.allclose(ours(ids), theirs, atol=1e-4)  # without it, the two models agree
+
+
+@pytest.mark.slow
+def test_pipeline_stages_pass_router_statistics_and_match_one_rank(tmp_path):
+    """pp 2 (1F1B) and pp 2 x EP 2 on debug_moe with a large load-balancing and z-loss weight (so the gradient the
+    last stage sends back through the travelling router statistics matters): losses, grad norms, aux losses and
+    routing biases of 3 steps within 1e-5 of one rank; the pp 2 export (routing_bias.json included) starts a pp 2
+    run that equals one rank started from it (each stage loads the biases of its own layers)."""
+    loss = ["--objective.router_aux_loss_coef", "1.0", "--objective.router_z_loss_coef", "0.1",
+            "--model.router_bias_rate", "0.01"]
+    export = ["--checkpoint.hf_export_interval", "3", "--checkpoint.hf_export_dtype", "float32"]
+    one = _train(1, tmp_path / "one", *loss)
+    pp2 = _train(2, tmp_path / "pp2", *loss, *export, "--parallelism.pp", "2")
+    pp2ep2 = _train(4, tmp_path / "pp2ep2", *loss, "--parallelism.pp", "2", "--parallelism.ep", "2")
+    for run in (pp2, pp2ep2):
+        assert [r["step"] for r in run] == [1, 2, 3]
+        for a, b in zip(run, one):
+            _close(a, b, keys=("loss", "grad_norm", "aux_loss", "router_bias_max"))
+            assert a["expert_load_max"] == b["expert_load_max"]
+    hf = tmp_path / "pp2" / "hf" / "step-2"  # labels count from 0
+    assert sorted(json.loads((hf / "routing_bias.json").read_text())) == ["1", "2", "3"]
+    for f in (ROOT / "titan_sft/assets/debug_tokenizer").iterdir():
+        shutil.copy(f, hf / f.name)
+    start = [*loss, "--model.hf_assets_path", str(hf), "--model.init_from_hf", "true"]
+    ref, ours = _train(1, tmp_path / "one_hf", *start, steps=1), _train(2, tmp_path / "pp2_hf", *start,
+                                                                      "--parallelism.pp", "2", steps=1)
+    _close(ours[0], ref[0], keys=("loss", "grad_norm", "aux_loss", "router_bias_max"))
+    assert ref[0]["router_bias_max"] > one[0]["router_bias_max"]  # it started from the trained biases
 
 
 @pytest.mark.slow

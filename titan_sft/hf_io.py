@@ -144,7 +144,7 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
             raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
-    from titan_sft.parallel.distributed import transient_group
+    from titan_sft.parallel.distributed import transient_group, unwrapped_name
 
     with transient_group() as pg:  # not the long-lived default group: it would slow every later CPU step
         dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(resolve_hf_dir(path))), process_group=pg)
@@ -154,9 +154,11 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     if experts:
         _load_expert_shards(experts, args, path, shapes)
     biases = read_routing_bias(resolve_hf_dir(path), args) if args.router_bias else None
+    held = {unwrapped_name(n): b for n, b in model.named_buffers()}  # a pipeline stage holds some layers only
     with torch.no_grad():
         for name, values in (biases or {}).items():
-            model.get_buffer(name).copy_(values)
+            if name in held:
+                held[name].copy_(values)
 
 
 def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict) -> None:

@@ -98,8 +98,10 @@ class Trainer:
             spec.parallelize_fn(model, d.mesh, cfg, d.device, spec.tp_plan_fn())
         # context parallel: each rank's part of the rows
         self.objective.shard_sequence(sequence_shard(model), d.mesh["cp"].get_group())
-        if self.args.n_experts and d.mesh["tp"].size() > 1:  # each tp rank routes its own sequence slice
-            self.objective.split_router_tokens(d.mesh["tp"].get_group())
+        if self.args.n_experts:
+            self.objective.set_router_layout(self.args.n_experts, self.args.moe_layers())
+            if d.mesh["tp"].size() > 1:  # each tp rank routes its own sequence slice
+                self.objective.split_router_tokens(d.mesh["tp"].get_group())
         model.to_empty(device=d.device)
         self._init_weights(model)
         self.model = model

@@ -84,6 +84,11 @@ class Objective:
         without; ``group``: the cp ranks) every forward runs on this rank's part of the rows (:meth:`local`)."""
         self.cp, self.cp_group = shard, group
 
+    def set_router_layout(self, n_experts: int, moe_layers: list[int]) -> None:
+        """The model's routed experts (per MoE layer, in order): the size of the router sums every rank adds to
+        the step's all-reduce, also a rank that runs no loss (an earlier pipeline stage)."""
+        self._n_experts, self._moe_layers = n_experts, list(moe_layers)
+
     def split_router_tokens(self, tp_group) -> None:
         """Under tensor parallel (``tp_group``) each tp rank's routers see only its sequence slice of the tokens
         (``parallel.tensor_parallel``), as each cp rank's see only its part of the rows."""
@@ -174,6 +179,10 @@ class Objective:
         """This rank's sums for the step's all-reduce (the same number on every rank and step); reset each step.
         Here: the router's (load-balancing loss and expert selections per MoE layer) when the model has experts."""
         sums, self._router_sums = getattr(self, "_router_sums", None), None
+        if sums is None and getattr(self, "_n_experts", 0):  # no loss here (an earlier pipeline stage): zeros
+            from titan_sft.parallel import comm
+
+            sums = comm.zeros(2 + len(self._moe_layers) * self._n_experts)
         return [] if sums is None else list(sums.unbind())
 
     def step_metrics(self, sums: list[float] = ()) -> dict[str, Any]:
@@ -193,15 +202,26 @@ class Objective:
         rate = self.cfg.model.router_bias_rate
         if not rate or not sums:
             return {}
+        import re
+
         from titan_sft.models.moe import Router, routing_bias_update
 
         counts = torch.tensor(sums[2:], dtype=torch.float64).view(-1, self._n_experts)
-        routers = [m for m in model.modules() if isinstance(m, Router)]
+        row = {layer: i for i, layer in enumerate(self._moe_layers)}
+        # this rank's routers by layer (a pipeline stage holds some layers only)
+        routers = {int(re.search(r"layers\.(\d+)\.", name).group(1)): m for name, m in model.named_modules()
+                   if isinstance(m, Router)}
         with torch.no_grad():
-            for router, layer_counts in zip(routers, counts, strict=True):
+            for layer, router in routers.items():
                 bias = router.expert_bias
-                bias.add_(routing_bias_update(layer_counts, rate).to(bias.device, bias.dtype))
-        return {"router_bias_max": max(r.expert_bias.abs().max().item() for r in routers)}
+                bias.add_(routing_bias_update(counts[row[layer]], rate).to(bias.device, bias.dtype))
+        biggest = torch.stack([r.expert_bias.abs().max().float() for r in routers.values()] or [torch.zeros(())]).max()
+        if getattr(model, "pp_group", None) is not None:  # a pipeline stage: the largest of all stages'
+            from titan_sft.parallel import comm
+
+            biggest = comm.all_reduce(biggest.to(comm.device()), op=torch.distributed.ReduceOp.MAX,
+                                      group=model.pp_group, what="routing bias over pipeline stages")
+        return {"router_bias_max": biggest.item()}
 
     def head_positions(self, mb: Any) -> int:
         """How many positions of ``mb`` the output head is applied to (for the FLOP count): all of them, unless

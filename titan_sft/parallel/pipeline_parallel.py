@@ -19,9 +19,11 @@ A tied embedding and head (Qwen3 <= 4B, the debug model) lives on the first and 
 the same numbers: their gradients are summed between the two after every step (as Megatron does), the norm counts
 one, and checkpoints and exports store one under the embedding's name.
 
+* Routed experts: the router statistics of every MoE layer travel from stage to stage with the hidden states
+  (:class:`_RouterStatsStage`), so the last stage computes the load-balancing loss of all layers, as one rank does.
+
 Not composed yet (refused with one line by :func:`check_pipeline_parallel`): the ZBVZeroBubble schedule (planned
-here, its weight-gradient pass fails on these stages), routed experts (the load-balancing loss multiplies means over all MoE layers, i.e.
-over stages), tensor and context parallel inside a stage, and validation or generation (they call the whole model).
+here, its weight-gradient pass fails on these stages), tensor and context parallel inside a stage, and validation or generation (they call the whole model).
 """
 
 from __future__ import annotations
@@ -97,10 +99,9 @@ def check_pipeline_parallel(cfg: JobConfig, args) -> None:
     PipelinePlan.from_config(cfg, args.n_layers)  # the split's own errors
     refusals = [
         (p.pp_schedule == "ZBVZeroBubble", "parallelism.pp_schedule",
-         "ZBVZeroBubble is not supported yet (its separate weight-gradient pass fails on these stages in torch "
-         "2.13: KeyError on an AccumulateGrad node); use 1F1B or Interleaved1F1B"),
-        (args.n_experts > 0, "model", "routed experts are not supported with pp > 1 yet (the load-balancing loss "
-                                      "spans the layers of all stages)"),
+         "ZBVZeroBubble is not supported yet (its separate weight-gradient pass looks up the gradient "
+         "accumulators of the stage's registered parameters, FSDP2's shards, while the graph holds the gathered "
+         "ones: KeyError in torch 2.13); use 1F1B or Interleaved1F1B"),
         (p.tp > 1, "parallelism.tp", "tensor parallel inside pipeline stages is not supported yet; use tp = 1"),
         ("lora" in cfg.model.converters, "model.converters", "LoRA with pp > 1 is not supported yet (its adapter "
                                                              "export gathers one stage); use pp = 1"),
@@ -182,8 +183,17 @@ class PipelinedModel(nn.Module):
         ids = torch.empty(rows, seq_len, dtype=torch.long, device="meta")
         # requires_grad: the metadata says which activations have gradients to exchange
         hidden = torch.empty(rows, seq_len, self.args.dim, dtype=dtype, device="meta", requires_grad=True)
-        stages = [PipelineStage(m if self.reduce_last else _ReducePerMicrobatch(m), s, self.plan.n_stages, device,
-                                input_args=ids if s == 0 else hidden, output_args=hidden, group=self.pp_group)
+        between = hidden
+        moe_layers, n_experts = self.args.moe_layers(), self.args.n_experts
+        if n_experts:  # routed experts: the router statistics travel with the hidden states (_RouterStatsStage)
+            between = (hidden, torch.empty(len(moe_layers), 2 * n_experts + 1, device="meta", requires_grad=True))
+
+        def module(m):
+            run = m if self.reduce_last else _ReducePerMicrobatch(m)
+            return _RouterStatsStage(run, m, moe_layers, n_experts) if n_experts else run
+
+        stages = [PipelineStage(module(m), s, self.plan.n_stages, device, input_args=ids if s == 0 else between,
+                                output_args=between, group=self.pp_group)
                   for m, s in zip(self._stages, self.stage_ids)]
         cls = get_schedule_class(self.plan.schedule)
         single = issubclass(cls, PipelineScheduleSingle)
@@ -249,12 +259,53 @@ class _ReducePerMicrobatch(nn.Module):
         return self.stage(*args, **kwargs)
 
 
+class _RouterStatsStage(nn.Module):
+    """A stage of a model with routed experts as the schedule sees it: besides the hidden states it passes on the
+    router statistics of every MoE layer so far, one row per MoE layer of the model ([counts (E), probability sums
+    (E), z-loss sum], fp32; rows of later stages zero), and adds its own layers' rows.
+
+    The load-balancing loss multiplies the selections summed over all layers with the probabilities summed over
+    all layers; the last stage computes it from these rows as one rank does. Its gradient reaches each stage's
+    probability sums through the schedule's backward exchange of the rows' gradient (the counts' is zero: they
+    enter the loss detached)."""
+
+    def __init__(self, stage: nn.Module, model: nn.Module, moe_layers: list[int], n_experts: int):
+        super().__init__()
+        self.stage, self.model, self.n_experts = stage, model, n_experts
+        row = {layer: i for i, layer in enumerate(moe_layers)}
+        self.rows = [row[int(k)] for k in model.layers if int(k) in row]  # this stage's MoE layers, in order
+        self.n_rows = len(moe_layers)
+
+    def forward(self, x, stats=None, **kwargs):
+        h = self.stage(x, **kwargs)
+        if stats is None:  # the first stage; requires_grad, as the schedule exchanges a gradient for the rows
+            stats = torch.zeros(self.n_rows, 2 * self.n_experts + 1, device=h.device, requires_grad=True)
+        mine = [torch.cat([s.counts.float(), s.prob_sum.float(), s.z_sum.float().view(1)])
+                for s in self.model.router_stats]
+        if mine:
+            index = torch.tensor(self.rows, device=h.device)
+            stats = stats.index_add(0, index, torch.stack(mine))
+        else:
+            stats = stats.clone()
+        return h, stats
+
+
+def router_stats_from_rows(rows: torch.Tensor, n_experts: int, n_tokens: int) -> list:
+    """The per-layer :class:`models.moe.RouterStats` of a forward from :class:`_RouterStatsStage`'s rows."""
+    from titan_sft.models.moe import RouterStats
+
+    E = n_experts
+    return [RouterStats(r[:E].detach(), r[E:2 * E], r[2 * E], n_tokens) for r in rows]
+
+
 class _Head:
     """What an objective's ``loss(model, mb)`` sees on the last stage: calling it returns the stage's hidden
-    states (the pipeline ran the layers), ``output`` is the head."""
+    states (the pipeline ran the layers), ``output`` is the head, ``router_stats`` the whole model's (all
+    stages') router statistics of this forward."""
 
-    def __init__(self, stage: nn.Module, hidden: torch.Tensor):
-        self.output, self.args, self.router_stats, self._hidden = stage.output, stage.args, [], hidden
+    def __init__(self, stage: nn.Module, hidden: torch.Tensor, router_stats: list = ()):
+        self.output, self.args, self._hidden = stage.output, stage.args, hidden
+        self.router_stats = list(router_stats)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self._hidden
@@ -284,8 +335,13 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
                 model.tie_group = group
     last = stages[-1] if model.is_last else None
 
-    def loss_fn(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return objective.loss(_Head(last, hidden), model._microbatches[int(index)])
+    def loss_fn(output, index: torch.Tensor) -> torch.Tensor:
+        mb = model._microbatches[int(index)]
+        if not args.n_experts:
+            return objective.loss(_Head(last, output), mb)
+        hidden, rows = output
+        return objective.loss(_Head(last, hidden, router_stats_from_rows(rows, args.n_experts,
+                                                                         mb.input_ids.numel())), mb)
 
     t = cfg.training
     model.reduce_last = cfg.parallelism.grad_reduce == "last_microbatch"
