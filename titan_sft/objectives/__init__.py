@@ -234,6 +234,30 @@ class Objective:
         return None
 
 
+def forward_hidden(model: torch.nn.Module, items):
+    """Held-out forwards: yields each of ``items`` (tuples whose first element is a microbatch on the device) with
+    the model's final hidden states. A pipelined model runs them through its stages forward only
+    (``PipelinedModel.hidden_states``) and gives None on ranks without the last stage: only that stage counts, and
+    :func:`sum_over_stages` hands its sums to every rank."""
+    if getattr(model, "pp_group", None) is not None:
+        yield from model.hidden_states(items)
+        return
+    for item in items:
+        mb = item[0]
+        yield item, model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+
+
+def sum_over_stages(model: torch.nn.Module, sums: torch.Tensor, what: str) -> torch.Tensor:
+    """``sums`` (on the device) that only the last pipeline stage counted, summed over the pp ranks (zeros
+    elsewhere), so every rank has them; unchanged without pipeline parallel."""
+    group = getattr(model, "pp_group", None)
+    if group is None:
+        return sums
+    from titan_sft.parallel import comm
+
+    return comm.all_reduce(sums, group=group, what=what)
+
+
 def validation_records(step: int, results: list[tuple[str | None, float, dict]], best_source: str = ""
                        ) -> tuple[list[dict], float]:
     """The records of one validation round over one or more held-out sets, and the loss best-checkpoint selection

@@ -22,7 +22,8 @@ from titan_sft.constants import IGNORE_INDEX
 from titan_sft.data.collator import Microbatch, collate
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
-from titan_sft.objectives import BatchError, Objective, Validator, Validators, validation_records
+from titan_sft.objectives import (BatchError, Objective, Validator, Validators, forward_hidden, sum_over_stages,
+                                  validation_records)
 from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 from titan_sft.startup_checks import StartupCheckError
@@ -112,7 +113,8 @@ class HeldOutLoss(Validator):
     the sums are all-reduced; ranks with one pack fewer run a masked copy so that all run the same forwards.
     With ``validation.keep_best`` the checkpoint of the lowest loss is kept in ``checkpoints-best/``. Under
     context parallel every cp rank evaluates its part of the rows (``local``) and the sums run over
-    ``loss_group``.
+    ``loss_group``; under pipeline parallel the stages run forward only and the last one counts
+    (``objectives.forward_hidden``).
     """
 
     def __init__(self, cfg: JobConfig, collate_fn, dp_group, local=lambda mb: mb, loss_group=None):
@@ -156,19 +158,25 @@ class HeldOutLoss(Validator):
         mine = ids[rank::world]
         per_rank = -(-len(ids) // world)
         device = next(model.parameters()).device
+
+        def batches():
+            for start in range(0, per_rank, self.per_device):
+                picks = range(start, min(start + self.per_device, per_rank))
+                packs = [dataset[int(mine[j] if j < len(mine) else ids[0])] for j in picks]
+                mb = self.collate(packs, [0] * len(packs))
+                for row, j in enumerate(picks):
+                    if j >= len(mine):  # padding forward: same shapes, no loss
+                        mb.labels[row] = IGNORE_INDEX
+                yield (self.local(mb).to(device),)
+
         sums = comm.zeros(2)
-        for start in range(0, per_rank, self.per_device):
-            picks = range(start, min(start + self.per_device, per_rank))
-            packs = [dataset[int(mine[j] if j < len(mine) else ids[0])] for j in picks]
-            mb = self.collate(packs, [0] * len(packs))
-            for row, j in enumerate(picks):
-                if j >= len(mine):  # padding forward: same shapes, no loss
-                    mb.labels[row] = IGNORE_INDEX
-            mb = self.local(mb).to(device)
-            hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+        for (mb,), hidden in forward_hidden(model, batches()):
+            if hidden is None:  # an earlier pipeline stage
+                continue
             total = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk)
             sums[0] += total.double()
             sums[1] += (mb.labels != IGNORE_INDEX).sum()
+        sums = sum_over_stages(model, sums, "held-out loss over pipeline stages")
         loss_sum, n = comm.all_reduce(sums, group=self.loss_group, what="held-out loss").tolist()
         return loss_sum / max(n, 1.0), int(n)
 

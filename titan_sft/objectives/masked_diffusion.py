@@ -34,7 +34,8 @@ import torch.distributed as dist
 from titan_sft.config import ConfigError, JobConfig
 from titan_sft.diffusion_sampler import GenerationValidator, end_token_ids
 from titan_sft.loss import chunked_cross_entropy_sum
-from titan_sft.objectives import BatchError, Objective, Validator, Validators, validation_records
+from titan_sft.objectives import (BatchError, Objective, Validator, Validators, forward_hidden, sum_over_stages,
+                                  validation_records)
 from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 
@@ -284,6 +285,11 @@ class MaskedDiffusion(Objective):
         if v.path or v.holdout_fraction or v.test_path or v.sources:
             validators.append(DenoisingValidator(self))
         if v.generation_eval_path and v.generation_every:
+            if getattr(model, "pp_group", None) is not None:
+                raise ConfigError(f"config key 'validation.generation_eval_path' with parallelism.pp = "
+                                  f"{self.cfg.parallelism.pp}: generation during training calls the whole model "
+                                  "step by step, not a pipeline; leave it empty (or generation_every = 0) and run "
+                                  "python -m titan_sft.generate on the HF export")
             validators.append(GenerationValidator(self, model))
         return Validators(validators) if validators else None
 
@@ -370,25 +376,30 @@ class DenoisingValidator(Validator):
         sums = torch.zeros(10, dtype=torch.float64)  # S_answer, S_padding, CE, stats[6], forwards
         was_training = model.training
         model.eval()
-        for start in range(0, per_rank, self.per_device):
-            picks = range(start, min(start + self.per_device, per_rank))
-            ids = [mine[j] if j < len(mine) else 0 for j in picks]
-            mb = obj.collate([dataset[i] for i in ids], [0] * len(ids), ids, stream=stream,
-                             seed=self.cfg.validation.noise_seed)
-            keep = torch.ones(len(mb.rows), dtype=torch.float64)
-            if any(j >= len(mine) for j in picks):  # padding forward on ranks with a pack fewer: same shapes, no loss
-                mb.weights.zero_()
-                keep.zero_()
-                mb.stats.zero_()
-            held = obj.cp.flat(mb.rows, mb.input_ids.shape[1])[0] if obj.cp is not None else slice(None)
-            keep = keep[held]
-            mb = obj.local(mb).to(device)
-            hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+
+        def batches():
+            for start in range(0, per_rank, self.per_device):
+                picks = range(start, min(start + self.per_device, per_rank))
+                ids = [mine[j] if j < len(mine) else 0 for j in picks]
+                mb = obj.collate([dataset[i] for i in ids], [0] * len(ids), ids, stream=stream,
+                                 seed=self.cfg.validation.noise_seed)
+                keep = torch.ones(len(mb.rows), dtype=torch.float64)
+                if any(j >= len(mine) for j in picks):  # padding forward on ranks with a pack fewer: no loss
+                    mb.weights.zero_()
+                    keep.zero_()
+                    mb.stats.zero_()
+                held = obj.cp.flat(mb.rows, mb.input_ids.shape[1])[0] if obj.cp is not None else slice(None)
+                yield obj.local(mb).to(device), keep[held]
+
+        for (mb, keep), hidden in forward_hidden(model, batches()):
+            if hidden is None:  # an earlier pipeline stage: the last one counts
+                continue
             parts = [obj.masked_ce(model, hidden, mb, (mb.weights * (mb.part == k)).float()) for k in (0, 1)]
             ce = obj.masked_ce(model, hidden, mb, keep.float().to(device))
             sums += torch.tensor([parts[0].item(), parts[1].item(), ce.item(), *mb.stats.tolist(), 1.0],
                                  dtype=torch.float64)
-        sums = comm.all_reduce(sums.to(comm.device()), group=group, what="denoising validation").cpu()
+        sums = sum_over_stages(model, sums.to(comm.device()), "denoising validation over pipeline stages")
+        sums = comm.all_reduce(sums, group=group, what="denoising validation").cpu()
         model.train(was_training)
         stats = sums[3:9]
         denoms = obj.denominators(stats).clamp(min=1.0)

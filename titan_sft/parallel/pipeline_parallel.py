@@ -22,12 +22,19 @@ one, and checkpoints and exports store one under the embedding's name.
 * Routed experts: the router statistics of every MoE layer travel from stage to stage with the hidden states
   (:class:`_RouterStatsStage`), so the last stage computes the load-balancing loss of all layers, as one rank does.
 
-Not composed yet (refused with one line by :func:`check_pipeline_parallel`): the ZBVZeroBubble schedule (planned
-here, its weight-gradient pass fails on these stages), tensor and context parallel inside a stage, and validation or generation (they call the whole model).
+* Held-out validation runs the stages forward only (:meth:`PipelinedModel.hidden_states`): a chunk of
+  microbatches goes through each stage in turn, activations sent on as soon as they are made, so the stages
+  overlap as in GPipe's forward; the last stage computes the loss and its sums reach every rank.
+
+Not composed yet (refused with one line by :func:`check_pipeline_parallel`, or by the diffusion generation
+validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages), tensor and
+context parallel inside a stage, LoRA, and generation during training (the sampler calls the whole model).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +102,7 @@ def check_pipeline_parallel(cfg: JobConfig, args) -> None:
     """What pipeline parallel does not compose with yet: one line each, before any model is built."""
     if cfg.parallelism.pp == 1:
         return
-    p, v = cfg.parallelism, cfg.validation
+    p = cfg.parallelism
     PipelinePlan.from_config(cfg, args.n_layers)  # the split's own errors
     refusals = [
         (p.pp_schedule == "ZBVZeroBubble", "parallelism.pp_schedule",
@@ -106,9 +113,6 @@ def check_pipeline_parallel(cfg: JobConfig, args) -> None:
         ("lora" in cfg.model.converters, "model.converters", "LoRA with pp > 1 is not supported yet (its adapter "
                                                              "export gathers one stage); use pp = 1"),
         (p.cp > 1, "parallelism.cp", "context parallel inside pipeline stages is not supported yet; use cp = 1"),
-        (bool(v.path or v.holdout_fraction or v.sources or v.test_path or v.generation_eval_path),
-         "validation", "held-out validation and generation run the whole model, not a pipeline; with pp > 1 leave "
-                       "[validation] empty and evaluate the HF export (python -m titan_sft.evaluate)"),
     ]
     for bad, key, why in refusals:
         if bad:
@@ -199,6 +203,43 @@ class PipelinedModel(nn.Module):
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(stages[0] if single else stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         self.pipeline_stages = stages
+        self.hidden_dtype, self.n_microbatches = dtype, n_microbatches
+
+    @torch.no_grad()
+    def hidden_states(self, items: Iterable[tuple]) -> Iterator[tuple[tuple, torch.Tensor | None]]:
+        """Forward only through the pipeline, for held-out evaluation: ``items`` are tuples whose first element is
+        a microbatch on the device (every rank of a pipeline slice gives the same ones); yields each item with the
+        model's final hidden states (as ``model(..., hidden_only=True)`` returns them) on ranks holding the last
+        stage, None elsewhere.
+
+        Takes a step's number of microbatches at a time through this rank's stages in stage order, receiving each
+        input from the previous pp rank and sending each output on without waiting, so the stages overlap (a
+        GPipe forward); stage s lives on pp rank s mod pp, so every rank receives in the order its peer sent."""
+        inputs = stage_inputs(self.backend)
+        me, pp = dist.get_rank(self.pp_group), self.plan.pp
+        prev, succ = (dist.get_global_rank(self.pp_group, (me + d) % pp) for d in (-1, 1))
+        last = self.plan.n_stages - 1
+        it = iter(items)
+        while chunk := list(itertools.islice(it, self.n_microbatches)):
+            args = [inputs(item[0]) for item in chunk]
+            outs: list = [None] * len(chunk)
+            sent = []  # (work, tensor): a tensor stays alive until its send completes
+            for stage_id, stage in zip(self.stage_ids, self._stages):
+                for i, (ids, kwargs) in enumerate(args):
+                    if stage_id == 0:
+                        x = ids
+                    else:
+                        x = torch.empty(*ids.shape, self.args.dim, dtype=self.hidden_dtype, device=ids.device)
+                        dist.recv(x, src=prev, group=self.pp_group)
+                    h = stage(x, **kwargs)
+                    if stage_id == last:
+                        outs[i] = h
+                    else:
+                        h = h.to(self.hidden_dtype).contiguous()
+                        sent.append((dist.isend(h, dst=succ, group=self.pp_group), h))
+            for work, _ in sent:
+                work.wait()
+            yield from zip(chunk, outs)
 
     def forward_backward(self, microbatches: list, inputs) -> torch.Tensor:
         """One step's forwards and backwards over ``microbatches`` (on the device); ``inputs(mb)`` gives the first
