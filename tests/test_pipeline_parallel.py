@@ -143,14 +143,17 @@ def test_held_out_validation_runs_through_the_pipeline(tmp_path):
 
 @pytest.mark.slow
 def test_masked_diffusion_pp2_matches_one_rank(tmp_path):
-    """The masked-diffusion objective (bidirectional attention, shifted targets, per-example normalisation, from
-    the debug HF base) at pp 2: the noise is made by the collator from each pack's key, so every stage's microbatch
-    is the same and the losses and grad norms of 3 steps equal one rank's within 1e-5; the denoising validation
-    (through the pipeline, forward only) and the test split (evaluated with the best checkpoint's weights, loaded
-    into the stages) equal one rank's within 1e-5."""
-    args = ["--model.converters", "", "--validation.generation_eval_path", "", "--validation.max_packs", "6",
-            "--training.steps", "3", "--training.global_batch_size", "8", "--training.per_device_batch", "2",
-            "--checkpoint.interval", "100", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+    """The masked-diffusion debug job (bidirectional attention, shifted targets, per-example normalisation, LoRA
+    with trained norms on the debug HF base, its tied embedding frozen) at pp 2: the noise is made by the collator
+    from each pack's key, so every stage's microbatch is the same and the losses and grad norms of 3 steps equal
+    one rank's within 1e-5; the denoising validation (through the pipeline, forward only) and the test split
+    (with the best checkpoint's trainable-only weights, loaded into the stages) equal one rank's within 1e-5; the
+    PEFT adapters (gathered from both stages) and the merged HF export equal one rank's, and the adapters' initial
+    norms are the base model's."""
+    args = ["--validation.generation_eval_path", "", "--validation.max_packs", "6", "--training.steps", "3",
+            "--training.global_batch_size", "8", "--training.per_device_batch", "2", "--checkpoint.interval", "100",
+            "--checkpoint.hf_export_interval", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
+            "false"]
     one, two = run_diffusion_layouts(tmp_path, args, ["--parallelism.pp", "2"])
     train = [[r for r in recs if r["split"] == "train"] for recs in (one, two)]
     assert [r["step"] for r in train[1]] == [1, 2, 3]
@@ -164,3 +167,12 @@ def test_masked_diffusion_pp2_matches_one_rank(tmp_path):
         for key in ("loss", "masked_ce"):
             assert close(a[key], b[key], 1e-5), (key, a, b)
         assert a["n_masked"] == b["n_masked"] > 0 and a.get("weights") == b.get("weights")
+    base = load_file(str(ROOT / "titan_sft/assets/debug_base/model.safetensors"))
+    for sub in ("adapters/final/adapter_model.safetensors", "adapters/best/adapter_model.safetensors",
+                "adapters/final/initial_norms.safetensors", "hf/step-2/model.safetensors"):
+        ours, ref = (load_file(str(tmp_path / d / sub)) for d in ("two", "one"))
+        assert ours.keys() == ref.keys() and len(ref) > 16, sub
+        for k in ref:
+            assert torch.allclose(ours[k], ref[k], rtol=1e-4, atol=1e-5), (sub, k)
+    initial = load_file(str(tmp_path / "two/adapters/final/initial_norms.safetensors"))
+    assert all(torch.equal(v, base[k]) for k, v in initial.items())  # kept before training, on both stages

@@ -89,7 +89,8 @@ def with_aliases(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any
     if renames:
         state = dict(state)
         for own, stored in renames.items():
-            state[own] = state.pop(stored)
+            if stored in state:  # absent from a trainable-only state (a frozen tie under LoRA)
+                state[own] = state.pop(stored)
     return {**state, **{alias: state[name] for alias, name in tied_aliases(model).items() if name in state}}
 
 

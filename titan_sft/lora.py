@@ -274,18 +274,25 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
 
 def trainable_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable parameters (adapters, trained norms), whole, on rank 0's host by native name (empty on the
-    other ranks). Call on every rank: each DTensor is gathered (a collective), one small tensor at a time."""
+    other ranks). Call on every rank: each DTensor is gathered (a collective), one small tensor at a time; a
+    pipeline's later stages send theirs to rank 0."""
     from torch.distributed.tensor import DTensor
 
     from titan_sft.atomic import rank
     from titan_sft.parallel.distributed import unwrapped_name
 
+    gather = getattr(model, "full_state_on_rank0", None)
+    if gather is not None:  # a pipelined model: the other stages' adapters live on other ranks
+        trainable = {unwrapped_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v.to(torch.float32, copy=True) for k, v in gather(trainable).items()}
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             full = p.full_tensor() if isinstance(p, DTensor) else p
             if rank() == 0:
-                out[unwrapped_name(name)] = full.detach().float().cpu()
+                # a copy: on one CPU rank full_tensor() is the parameter itself, and the initial norms kept from
+                # here would train along with it
+                out[unwrapped_name(name)] = full.detach().to("cpu", torch.float32, copy=True)
     return out
 
 

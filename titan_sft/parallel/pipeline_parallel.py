@@ -28,7 +28,7 @@ one, and checkpoints and exports store one under the embedding's name.
 
 Not composed yet (refused with one line by :func:`check_pipeline_parallel`, or by the diffusion generation
 validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages), tensor and
-context parallel inside a stage, LoRA, and generation during training (the sampler calls the whole model).
+context parallel inside a stage, and generation during training (the sampler calls the whole model).
 """
 
 from __future__ import annotations
@@ -110,8 +110,6 @@ def check_pipeline_parallel(cfg: JobConfig, args) -> None:
          "accumulators of the stage's registered parameters, FSDP2's shards, while the graph holds the gathered "
          "ones: KeyError in torch 2.13); use 1F1B or Interleaved1F1B"),
         (p.tp > 1, "parallelism.tp", "tensor parallel inside pipeline stages is not supported yet; use tp = 1"),
-        ("lora" in cfg.model.converters, "model.converters", "LoRA with pp > 1 is not supported yet (its adapter "
-                                                             "export gathers one stage); use pp = 1"),
         (p.cp > 1, "parallelism.cp", "context parallel inside pipeline stages is not supported yet; use cp = 1"),
     ]
     for bad, key, why in refusals:
@@ -159,9 +157,10 @@ class PipelinedModel(nn.Module):
         self.is_last = plan.n_stages - 1 in stage_ids
         self.is_first = 0 in stage_ids
 
-    def full_state_on_rank0(self) -> dict[str, torch.Tensor]:
-        """The whole model's unsharded state on global rank 0 (:func:`gather_full_state`)."""
-        return gather_full_state(self)
+    def full_state_on_rank0(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The whole model's unsharded state (or, given ``state``, those of this rank's tensors and the same
+        selection on every other stage) on global rank 0 (:func:`gather_full_state`)."""
+        return gather_full_state(self, state)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through forward_backward(); it has no plain forward")
@@ -263,7 +262,8 @@ class PipelinedModel(nn.Module):
     def _tied_params(self) -> list[nn.Parameter]:
         if not self.tied:
             return []
-        return [m.weight for m in (self.tok_embeddings, self.output) if m is not None]
+        # a frozen tie (LoRA) has no gradient to sum; both copies agree on requires_grad
+        return [m.weight for m in (self.tok_embeddings, self.output) if m is not None and m.weight.requires_grad]
 
     def _sum_tied_grads(self) -> None:
         """The embedding's and the head's gradients summed between the first and the last stage: both copies get
@@ -420,8 +420,11 @@ def startup_check_on_first_stage(model: PipelinedModel, check) -> None:
         raise StartupCheckError(error or "document isolation check failed on the first pipeline stage")
 
 
-def gather_full_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def gather_full_state(model: PipelinedModel, state: dict[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """The whole model's unsharded state on global rank 0 (CPU), one tensor at a time; empty elsewhere.
+    ``state``: this rank's tensors to gather by name (default: its model state), e.g. only the trainable ones.
 
     Each tensor is gathered within its stage (``full_tensor`` over the stage's data-parallel ranks); the first rank
     of every later stage sends its stage's tensors to rank 0, which receives them in pp-rank order. No rank holds
@@ -433,7 +436,7 @@ def gather_full_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
     from titan_sft.parallel import comm
 
     rank = dist.get_rank()
-    state = model_state(model)
+    state = model_state(model) if state is None else state
     meta: list = [None] * dist.get_world_size()
     dist.all_gather_object(meta, [(k, tuple(v.shape), str(v.dtype).split(".")[-1]) for k, v in state.items()]
                            if model.stage_lead else None)
