@@ -22,13 +22,18 @@ one, and checkpoints and exports store one under the embedding's name.
 * Routed experts: the router statistics of every MoE layer travel from stage to stage with the hidden states
   (:class:`_RouterStatsStage`), so the last stage computes the load-balancing loss of all layers, as one rank does.
 
+* Tensor parallel inside the stages: each stage gets the family's TP plan (the parts it holds), so the hidden
+  states between stages are each tp rank's sequence slice [rows, seq_len / tp, dim], a plain tensor sent to the
+  same tp rank of the next stage; the last stage's final norm hands on its slice too, and the loss sees it as the
+  sequence-sharded DTensor it is (loss parallel on the vocab-split head, as without pp).
+
 * Held-out validation runs the stages forward only (:meth:`PipelinedModel.hidden_states`): a chunk of
   microbatches goes through each stage in turn, activations sent on as soon as they are made, so the stages
   overlap as in GPipe's forward; the last stage computes the loss and its sums reach every rank.
 
 Not composed yet (refused with one line by :func:`check_pipeline_parallel`, or by the diffusion generation
-validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages), tensor and
-context parallel inside a stage, and generation during training (the sampler calls the whole model).
+validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages), context
+parallel inside a stage, and generation during training (the sampler calls the whole model).
 """
 
 from __future__ import annotations
@@ -109,7 +114,6 @@ def check_pipeline_parallel(cfg: JobConfig, args) -> None:
          "ZBVZeroBubble is not supported yet (its separate weight-gradient pass looks up the gradient "
          "accumulators of the stage's registered parameters, FSDP2's shards, while the graph holds the gathered "
          "ones: KeyError in torch 2.13); use 1F1B or Interleaved1F1B"),
-        (p.tp > 1, "parallelism.tp", "tensor parallel inside pipeline stages is not supported yet; use tp = 1"),
         (p.cp > 1, "parallelism.cp", "context parallel inside pipeline stages is not supported yet; use cp = 1"),
     ]
     for bad, key, why in refusals:
@@ -156,6 +160,11 @@ class PipelinedModel(nn.Module):
         self._microbatches: list = []
         self.is_last = plan.n_stages - 1 in stage_ids
         self.is_first = 0 in stage_ids
+        self.tp_mesh = None  # the tp mesh when tp > 1 (set by build_pipelined_model)
+        # expert parallel x tp: the experts' gradients each stage sums over tp (parallelize_transformer sets them)
+        summed = [s.tp_summed_params for s in stages if hasattr(s, "tp_summed_params")]
+        if summed:
+            self.tp_summed_params = ([p for params, _ in summed for p in params], summed[0][1])
 
     def full_state_on_rank0(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The whole model's unsharded state (or, given ``state``, those of this rank's tensors and the same
@@ -184,8 +193,9 @@ class PipelinedModel(nn.Module):
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         ids = torch.empty(rows, seq_len, dtype=torch.long, device="meta")
-        # requires_grad: the metadata says which activations have gradients to exchange
-        hidden = torch.empty(rows, seq_len, self.args.dim, dtype=dtype, device="meta", requires_grad=True)
+        # requires_grad: the metadata says which activations have gradients to exchange; under tp each rank's
+        # sequence slice
+        hidden = torch.empty(rows, seq_len // self.tp, self.args.dim, dtype=dtype, device="meta", requires_grad=True)
         between = hidden
         moe_layers, n_experts = self.args.moe_layers(), self.args.n_experts
         if n_experts:  # routed experts: the router statistics travel with the hidden states (_RouterStatsStage)
@@ -228,17 +238,31 @@ class PipelinedModel(nn.Module):
                     if stage_id == 0:
                         x = ids
                     else:
-                        x = torch.empty(*ids.shape, self.args.dim, dtype=self.hidden_dtype, device=ids.device)
+                        x = torch.empty(ids.shape[0], ids.shape[1] // self.tp, self.args.dim,
+                                        dtype=self.hidden_dtype, device=ids.device)
                         dist.recv(x, src=prev, group=self.pp_group)
                     h = stage(x, **kwargs)
                     if stage_id == last:
-                        outs[i] = h
+                        outs[i] = self.final_hidden(h)
                     else:
                         h = h.to(self.hidden_dtype).contiguous()
                         sent.append((dist.isend(h, dst=succ, group=self.pp_group), h))
             for work, _ in sent:
                 work.wait()
             yield from zip(chunk, outs)
+
+    @property
+    def tp(self) -> int:
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's output as the objective takes it: under tp this rank's sequence slice becomes the
+        sequence-sharded DTensor (the whole model's ``hidden_only`` output)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.tp_mesh is None:
+            return h
+        return DTensor.from_local(h, self.tp_mesh, [Shard(1)], run_check=False)
 
     def forward_backward(self, microbatches: list, inputs) -> torch.Tensor:
         """One step's forwards and backwards over ``microbatches`` (on the device); ``inputs(mb)`` gives the first
@@ -363,9 +387,11 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
     for s in ids:
         with torch.device("meta"):
             stage = build_stage(spec.model_cls, args, plan.stage_layers(s), s == 0, s == plan.n_stages - 1)
-        spec.parallelize_fn(stage, mesh, cfg, device, spec.tp_plan_fn())
+        spec.parallelize_fn(stage, mesh, cfg, device, stage_tp_plan(spec.tp_plan_fn()))
         stages.append(stage)
     model = PipelinedModel(stages, args, plan, ids, mesh["pp"].get_group())
+    if mesh["tp"].size() > 1:
+        model.tp_mesh = mesh["tp"]
     # the first rank of its stage (rank 0 for stage 0): it sends the stage's tensors for an HF export
     model.stage_lead = mesh["dp_cp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     if model.tied:  # one group per pipeline slice: its first and last stage's ranks (made collectively)
@@ -379,15 +405,25 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
     def loss_fn(output, index: torch.Tensor) -> torch.Tensor:
         mb = model._microbatches[int(index)]
         if not args.n_experts:
-            return objective.loss(_Head(last, output), mb)
+            return objective.loss(_Head(last, model.final_hidden(output)), mb)
         hidden, rows = output
-        return objective.loss(_Head(last, hidden, router_stats_from_rows(rows, args.n_experts,
-                                                                         mb.input_ids.numel())), mb)
+        return objective.loss(_Head(last, model.final_hidden(hidden),
+                                    router_stats_from_rows(rows, args.n_experts, mb.input_ids.numel())), mb)
 
     t = cfg.training
     model.reduce_last = cfg.parallelism.grad_reduce == "last_microbatch"
     model.build_schedule(n_microbatches, device, loss_fn, t.per_device_batch, seq_len, DTYPES[t.param_dtype])
     return model
+
+
+def stage_tp_plan(plan):
+    """The family's TP plan for a stage: the final norm hands on its plain sequence slice (a stage's output goes
+    to the schedule, which sends and receives plain tensors; :meth:`PipelinedModel.final_hidden` makes the DTensor
+    again for the loss)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    root, block = plan
+    return {**root, "norm": SequenceParallel(use_local_output=True)}, block
 
 
 def stage_inputs(backend):
@@ -413,7 +449,7 @@ def startup_check_on_first_stage(model: PipelinedModel, check) -> None:
     error = ""
     if model.is_first:
         try:
-            check(model._stages[0])
+            check(_FirstStageHidden(model._stages[0], model))
         except StartupCheckError as e:
             error = str(e)
     if comm.all_reduce(comm.tensor(float(bool(error))), dist.ReduceOp.MAX, what="isolation check").item():
@@ -454,3 +490,19 @@ def gather_full_state(model: PipelinedModel, state: dict[str, torch.Tensor] | No
                 dist.recv(buf, src=src)
                 full[name] = buf.cpu()
     return full
+
+
+class _FirstStageHidden(nn.Module):
+    """The first stage as the isolation check calls it: its output, under tp this rank's sequence slice, as the
+    sequence-sharded DTensor a whole model returns (the check gathers it)."""
+
+    def __init__(self, stage: nn.Module, model: PipelinedModel):
+        super().__init__()
+        self.stage, self._final = stage, model.final_hidden
+
+    @property
+    def router_stats(self) -> list:
+        return self.stage.router_stats
+
+    def forward(self, *args, **kwargs):
+        return self._final(self.stage(*args, **kwargs))

@@ -146,10 +146,12 @@ def float8_tp_plan(plan: TPPlan, block: nn.Module) -> TPPlan:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     """Applies ``plan`` to ``model`` (on the meta device) and re-ties a shared embedding/head."""
     root_plan, block_plan = plan
-    parallelize_module(model, tp_mesh, root_plan)
+    # a pipeline stage holds some of the root's parts (the others are None)
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan.items() if getattr(model, k) is not None})
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan_for(block, block_plan))
-    if model.args.tie_embeddings:  # both are Shard(0) on the vocabulary: one tensor again
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # both are Shard(0) on the vocabulary: one tensor again
         model.output.weight = model.tok_embeddings.weight
 
 
