@@ -389,8 +389,8 @@ def test_the_routing_bias_trains_alike_on_ep2_resumes_and_travels_with_the_expor
 
 @pytest.mark.slow
 def test_pipeline_stages_pass_router_statistics_and_match_one_rank(tmp_path):
-    """pp 2 (1F1B), pp 2 x EP 2 and pp 2 x TP 2 (each tp rank's routers see its sequence slice; the rows of
-    router statistics travel per tp rank and are summed over tp on the last stage) on debug_moe with a large
+    """pp 2 (1F1B), pp 2 x EP 2, pp 2 x TP 2 and pp 2 x cp 2 (each tp or cp rank's routers see its part of the
+    rows; the rows of router statistics travel per rank and are summed over tp and cp on the last stage) on debug_moe with a large
     load-balancing and z-loss weight (so the gradient the last stage sends back through the travelling router
     statistics matters): losses, grad norms, aux losses and routing biases of 3 steps within 1e-5 of one rank; the pp 2 export (routing_bias.json included) starts a pp 2
     run that equals one rank started from it (each stage loads the biases of its own layers)."""
@@ -401,7 +401,8 @@ def test_pipeline_stages_pass_router_statistics_and_match_one_rank(tmp_path):
     pp2 = _train(2, tmp_path / "pp2", *loss, *export, "--parallelism.pp", "2")
     pp2ep2 = _train(4, tmp_path / "pp2ep2", *loss, "--parallelism.pp", "2", "--parallelism.ep", "2")
     pp2tp2 = _train(4, tmp_path / "pp2tp2", *loss, "--parallelism.pp", "2", "--parallelism.tp", "2")
-    for run in (pp2, pp2ep2, pp2tp2):
+    pp2cp2 = _train(4, tmp_path / "pp2cp2", *loss, "--parallelism.pp", "2", "--parallelism.cp", "2")
+    for run in (pp2, pp2ep2, pp2tp2, pp2cp2):
         assert [r["step"] for r in run] == [1, 2, 3]
         for a, b in zip(run, one):
             _close(a, b, keys=("loss", "grad_norm", "aux_loss", "router_bias_max"))

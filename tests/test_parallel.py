@@ -41,11 +41,12 @@ def run(nproc, dump, *overrides, config="train_configs/debug_model.toml", base=B
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_diffusion_layouts(tmp_path, args, layout):
-    """The masked-diffusion debug job (train_configs/debug_diffusion.toml with ``args``) on 1 rank and on 2 ranks
-    with ``layout``'s overrides: (1-rank records, 2-rank records)."""
+def run_diffusion_layouts(tmp_path, args, layout, nproc=2):
+    """The masked-diffusion debug job (train_configs/debug_diffusion.toml with ``args``) on 1 rank (in
+    ``tmp_path / "one"``) and on ``nproc`` ranks with ``layout``'s overrides (``tmp_path / "two"``): (1-rank
+    records, layout records)."""
     return tuple(run(n, tmp_path / f"{name}", *extra, config="train_configs/debug_diffusion.toml", base=args)
-                 for n, name, extra in ((1, "one", []), (2, "two", layout)))
+                 for n, name, extra in ((1, "one", []), (nproc, "two", layout)))
 
 
 def close(a, b, rel):

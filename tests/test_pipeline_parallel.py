@@ -1,6 +1,6 @@
 """Pipeline parallel (titan_sft.parallel.pipeline_parallel): stage splits and schedule rules, one-line errors
 before any model is built, and trainer runs on CPU over gloo that equal one rank: pp 2 with 1F1B, Interleaved1F1B
-and GPipe, pp 2 x FSDP 2, masked diffusion at pp 2; a pp 2 checkpoint resumes on 1 rank and on FSDP 2, and a pp 2
+and GPipe, pp 2 x FSDP 2, pp 2 x tp 2 with held-out validation, masked diffusion with LoRA at pp 2 x cp 2; a pp 2 checkpoint resumes on 1 rank and on FSDP 2, and a pp 2
 HF export equals the 1-rank export."""
 
 import os
@@ -69,7 +69,7 @@ def test_invalid_pipeline_layouts_fail_with_one_line():
         pipeline_split(4, 4, [], 2)
     with pytest.raises(ConfigError, match="ZBVZeroBubble is not supported yet"):
         pipeline("--parallelism.pp_schedule", "ZBVZeroBubble")
-    pipeline("--parallelism.tp", "2")  # tensor parallel inside the stages composes
+    pipeline("--parallelism.tp", "2", "--parallelism.cp", "2")  # tensor and context parallel inside the stages
     cfg = load_config(None, ["--parallelism.pp", "2", "--model.name", "qwen3_moe", "--model.flavor", "debug_moe"])
     check_pipeline_parallel(cfg, model_args(cfg.model, get_train_spec("qwen3_moe")))  # routed experts compose
 
@@ -153,11 +153,12 @@ def test_tensor_parallel_stages_and_held_out_validation_match_one_rank(tmp_path)
 
 
 @pytest.mark.slow
-def test_masked_diffusion_pp2_matches_one_rank(tmp_path):
+def test_masked_diffusion_pp2_cp2_matches_one_rank(tmp_path):
     """The masked-diffusion debug job (bidirectional attention, shifted targets, per-example normalisation, LoRA
-    with trained norms on the debug HF base, its tied embedding frozen) at pp 2: the noise is made by the collator
-    from each pack's key, so every stage's microbatch is the same and the losses and grad norms of 3 steps equal
-    one rank's within 1e-5; the denoising validation (through the pipeline, forward only) and the test split
+    with trained norms on the debug HF base, its tied embedding frozen) at pp 2 x cp 2 (ring: every stage runs
+    its cp rank's head and tail chunks of the rows, the stages pass those parts on): the noise is made by the
+    collator from each pack's key, so every stage's microbatch is the same and the losses and grad norms of 3
+    steps equal one rank's within 1e-5; the denoising validation (through the pipeline, forward only) and the test split
     (with the best checkpoint's trainable-only weights, loaded into the stages) equal one rank's within 1e-5; the
     PEFT adapters (gathered from both stages) and the merged HF export equal one rank's, and the adapters' initial
     norms are the base model's."""
@@ -165,7 +166,8 @@ def test_masked_diffusion_pp2_matches_one_rank(tmp_path):
             "--training.global_batch_size", "8", "--training.per_device_batch", "2", "--checkpoint.interval", "100",
             "--checkpoint.hf_export_interval", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
             "false"]
-    one, two = run_diffusion_layouts(tmp_path, args, ["--parallelism.pp", "2"])
+    one, two = run_diffusion_layouts(tmp_path, args, ["--parallelism.pp", "2", "--parallelism.cp", "2",
+                                                      "--parallelism.cp_mode", "ring"], nproc=4)
     train = [[r for r in recs if r["split"] == "train"] for recs in (one, two)]
     assert [r["step"] for r in train[1]] == [1, 2, 3]
     for a, b in zip(train[1], train[0]):

@@ -91,7 +91,7 @@ class Trainer:
             n_micro = cfg.training.global_batch_size // d.dp_world // cfg.training.per_device_batch
             model = build_pipelined_model(spec, self.args, cfg, d.mesh, d.device, self.objective, n_micro,
                                           self.seq_len)
-            self.stage_inputs = stage_inputs(model.backend)
+            self.stage_inputs = stage_inputs(model.backend, self.objective.local)  # cp: this rank's part
         else:
             with torch.device("meta"):
                 model = spec.model_cls(self.args)

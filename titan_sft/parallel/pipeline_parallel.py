@@ -26,14 +26,17 @@ one, and checkpoints and exports store one under the embedding's name.
   states between stages are each tp rank's sequence slice [rows, seq_len / tp, dim], a plain tensor sent to the
   same tp rank of the next stage; the last stage's final norm hands on its slice too, and the loss sees it as the
   sequence-sharded DTensor it is (loss parallel on the vocab-split head, as without pp).
+* Context parallel inside the stages: every stage runs this cp rank's part of the rows (the objective's
+  ``local``), its attention exchanging with the other cp ranks of the same stage; the hidden states between
+  stages are that part ([rows, seq_len / cp / tp, dim]) and the last stage's loss takes the same part's targets.
 
 * Held-out validation runs the stages forward only (:meth:`PipelinedModel.hidden_states`): a chunk of
   microbatches goes through each stage in turn, activations sent on as soon as they are made, so the stages
   overlap as in GPipe's forward; the last stage computes the loss and its sums reach every rank.
 
 Not composed yet (refused with one line by :func:`check_pipeline_parallel`, or by the diffusion generation
-validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages), context
-parallel inside a stage, and generation during training (the sampler calls the whole model).
+validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages) and
+generation during training (the sampler calls the whole model).
 """
 
 from __future__ import annotations
@@ -114,7 +117,6 @@ def check_pipeline_parallel(cfg: JobConfig, args) -> None:
          "ZBVZeroBubble is not supported yet (its separate weight-gradient pass looks up the gradient "
          "accumulators of the stage's registered parameters, FSDP2's shards, while the graph holds the gathered "
          "ones: KeyError in torch 2.13); use 1F1B or Interleaved1F1B"),
-        (p.cp > 1, "parallelism.cp", "context parallel inside pipeline stages is not supported yet; use cp = 1"),
     ]
     for bad, key, why in refusals:
         if bad:
@@ -161,6 +163,7 @@ class PipelinedModel(nn.Module):
         self.is_last = plan.n_stages - 1 in stage_ids
         self.is_first = 0 in stage_ids
         self.tp_mesh = None  # the tp mesh when tp > 1 (set by build_pipelined_model)
+        self.cp = 1  # context-parallel ranks per row (set by build_pipelined_model)
         # expert parallel x tp: the experts' gradients each stage sums over tp (parallelize_transformer sets them)
         summed = [s.tp_summed_params for s in stages if hasattr(s, "tp_summed_params")]
         if summed:
@@ -192,10 +195,11 @@ class PipelinedModel(nn.Module):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        ids = torch.empty(rows, seq_len, dtype=torch.long, device="meta")
-        # requires_grad: the metadata says which activations have gradients to exchange; under tp each rank's
-        # sequence slice
-        hidden = torch.empty(rows, seq_len // self.tp, self.args.dim, dtype=dtype, device="meta", requires_grad=True)
+        # this cp rank's part of the rows; requires_grad: the metadata says which activations have gradients to
+        # exchange; between stages, under tp, each tp rank's sequence slice of that part
+        ids = torch.empty(rows, seq_len // self.cp, dtype=torch.long, device="meta")
+        hidden = torch.empty(rows, seq_len // self.cp // self.tp, self.args.dim, dtype=dtype, device="meta",
+                             requires_grad=True)
         between = hidden
         moe_layers, n_experts = self.args.moe_layers(), self.args.n_experts
         if n_experts:  # routed experts: the router statistics travel with the hidden states (_RouterStatsStage)
@@ -392,6 +396,7 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
     model = PipelinedModel(stages, args, plan, ids, mesh["pp"].get_group())
     if mesh["tp"].size() > 1:
         model.tp_mesh = mesh["tp"]
+    model.cp = mesh["cp"].size()
     # the first rank of its stage (rank 0 for stage 0): it sends the stage's tensors for an HF export
     model.stage_lead = mesh["dp_cp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     if model.tied:  # one group per pipeline slice: its first and last stage's ranks (made collectively)
@@ -407,8 +412,10 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
         if not args.n_experts:
             return objective.loss(_Head(last, model.final_hidden(output)), mb)
         hidden, rows = output
+        # a forward's statistics count the positions it ran: this cp rank's part of the rows
         return objective.loss(_Head(last, model.final_hidden(hidden),
-                                    router_stats_from_rows(rows, args.n_experts, mb.input_ids.numel())), mb)
+                                    router_stats_from_rows(rows, args.n_experts, mb.input_ids.numel() // model.cp)),
+                              mb)
 
     t = cfg.training
     model.reduce_last = cfg.parallelism.grad_reduce == "last_microbatch"
@@ -426,11 +433,14 @@ def stage_tp_plan(plan):
     return {**root, "norm": SequenceParallel(use_local_output=True)}, block
 
 
-def stage_inputs(backend):
+def stage_inputs(backend, local=None):
     """``inputs(mb)`` for :meth:`PipelinedModel.forward_backward`: the token ids, and the masks' and RoPE's
-    arguments every stage needs (positions always given: a later stage reads the row length from them)."""
+    arguments every stage needs (positions always given: a later stage reads the row length from them), of
+    ``local(mb)`` (the objective's: this context-parallel rank's part of the rows) where given."""
 
     def inputs(mb):
+        if local is not None:
+            mb = local(mb)
         positions = mb.positions
         if positions is None:
             positions = backend.default_positions(mb.input_ids.shape[1], mb.input_ids.device).expand_as(mb.input_ids)
@@ -499,6 +509,7 @@ class _FirstStageHidden(nn.Module):
     def __init__(self, stage: nn.Module, model: PipelinedModel):
         super().__init__()
         self.stage, self._final = stage, model.final_hidden
+        self.backend = stage.backend  # the check shards its row as the attention backend does (cp)
 
     @property
     def router_stats(self) -> list:
