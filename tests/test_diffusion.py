@@ -249,6 +249,21 @@ def test_bidirectional_within_documents():
     assert torch.equal(causal(later, cu_seqlens=cu)[0, :7], causal(ids, cu_seqlens=cu)[0, :7])
 
 
+def test_whole_row_logits_pad_rows_for_sequence_parallel_without_changing_them():
+    """Generation and scoring under tensor parallel pad each row to a multiple of tp with a separate filler
+    document: the row's logits equal the unpadded ones (bidirectional and causal, two rows), and a row that
+    already splits evenly is passed as is."""
+    from titan_sft.diffusion_sampler import whole_row_logits
+
+    ids = torch.randint(3, 250, (2, 13))
+    for causal in (False, True):
+        model = _model(causal=causal).double()
+        ref = model(ids)
+        for multiple in (2, 4, 13):
+            out = whole_row_logits(model, ids, multiple)
+            assert out.shape == ref.shape and torch.allclose(out, ref, rtol=0, atol=1e-12), (causal, multiple)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sampler
 

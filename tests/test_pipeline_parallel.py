@@ -3,6 +3,7 @@ before any model is built, and trainer runs on CPU over gloo that equal one rank
 and GPipe, pp 2 x FSDP 2, pp 2 x tp 2 with held-out validation, masked diffusion with LoRA at pp 2 x cp 2; a pp 2 checkpoint resumes on 1 rank and on FSDP 2, and a pp 2
 HF export equals the 1-rank export."""
 
+import json
 import os
 import subprocess
 import sys
@@ -161,8 +162,10 @@ def test_masked_diffusion_pp2_cp2_matches_one_rank(tmp_path):
     steps equal one rank's within 1e-5; the denoising validation (through the pipeline, forward only) and the test split
     (with the best checkpoint's trainable-only weights, loaded into the stages) equal one rank's within 1e-5; the
     PEFT adapters (gathered from both stages) and the merged HF export equal one rank's, and the adapters' initial
-    norms are the base model's."""
-    args = ["--validation.generation_eval_path", "", "--validation.max_packs", "6", "--training.steps", "3",
+    norms are the base model's. Generation during training (the LLaDA sampler and the base model's scoring call
+    the pipelined model, whose logits every rank receives; whole rows on every cp rank) writes one rank's texts,
+    and its perplexities equal one rank's within 1e-5."""
+    args = ["--validation.max_examples", "4", "--validation.max_packs", "6", "--training.steps", "3",
             "--training.global_batch_size", "8", "--training.per_device_batch", "2", "--checkpoint.interval", "100",
             "--checkpoint.hf_export_interval", "3", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
             "false"]
@@ -189,3 +192,12 @@ def test_masked_diffusion_pp2_cp2_matches_one_rank(tmp_path):
             assert torch.allclose(ours[k], ref[k], rtol=1e-4, atol=1e-5), (sub, k)
     initial = load_file(str(tmp_path / "two/adapters/final/initial_norms.safetensors"))
     assert all(torch.equal(v, base[k]) for k, v in initial.items())  # kept before training, on both stages
+    gen = [[r for r in recs if r["split"] == "generation"] for recs in (one, two)]
+    assert [r["step"] for r in gen[0]] == [3] and len(gen[1]) == 1
+    a, b = gen[1][0], gen[0][0]
+    assert a["n_texts"] == b["n_texts"] == 4 and a["n_tokens"] == b["n_tokens"] > 0
+    for key in ("perplexity_pooled", "perplexity_text_pooled", "distinct_1"):
+        assert close(a[key], b[key], 1e-5), (key, a, b)
+    texts = [[json.loads(x)["text"] for x in (tmp_path / d / "generation_metrics.jsonl").read_text().splitlines()]
+             for d in ("two", "one")]
+    assert texts[0] == texts[1] and len(texts[0]) == 4

@@ -172,6 +172,7 @@ class GenerationValidator:
         self.prompts = load_prompts(resolve_prompts(v.generation_eval_path), self.tokenizer, v.max_examples)
         self.every, self.rounds = v.generation_every, 0
         self.interval = v.interval
+        self.row_multiple = cfg.parallelism.tp  # sequence parallel splits every row over the tp ranks
         # The base model: the starting value of every trainable parameter (this rank's shard), kept on the host.
         self.base = {n: p.detach().to_local().cpu().clone() if hasattr(p, "to_local") else p.detach().cpu().clone()
                      for n, p in model.named_parameters() if p.requires_grad}
@@ -208,7 +209,7 @@ class GenerationValidator:
         model.eval()
         outs = []
         for i, (prompt, _) in enumerate(self.prompts):
-            ids = generate(lambda x: model(x), torch.tensor(prompt, device=device), mask_id=self.mask_id,
+            ids = generate(lambda x: whole_row_logits(model, x, self.row_multiple), torch.tensor(prompt, device=device), mask_id=self.mask_id,
                            gen_length=v.gen_length, block_length=v.block_length, steps=v.gen_steps,
                            temperature=v.temperature, remasking=v.remasking, cfg_scale=v.cfg_scale,
                            forbid_ids=end_ids if v.no_early_eos else None, seed=self.cfg.validation.noise_seed + i,
@@ -258,7 +259,7 @@ class GenerationValidator:
             if not toks:
                 return 0.0, 0
             ids = torch.tensor([context + toks], device=device)
-            logits = model(ids).float()[0, len(context) - 1 : -1]
+            logits = whole_row_logits(model, ids, self.row_multiple).float()[0, len(context) - 1 : -1]
             return float(F.cross_entropy(logits, ids[0, len(context):], reduction="sum")), len(toks)
 
         try:
@@ -268,12 +269,27 @@ class GenerationValidator:
             swap_parameters(model, self.base)
 
 
+def whole_row_logits(model: torch.nn.Module, ids: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``model(ids)`` for rows [B, T] of any length on a model whose rows must split evenly into ``multiple``
+    sequence slices (tensor parallel's sequence parallel): each row is padded with a second document of filler
+    tokens, which attention keeps apart from the row (document isolation, causal or bidirectional), so the row's
+    logits are those of the row alone; the filler's are dropped."""
+    b, t = ids.shape
+    pad = -t % multiple
+    if not pad:
+        return model(ids)
+    row = t + pad
+    starts = torch.arange(b, dtype=torch.int32, device=ids.device) * row
+    cu = torch.cat([torch.stack([starts, starts + t], 1).flatten(), starts.new_tensor([b * row])])
+    return model(torch.cat([ids, ids.new_zeros(b, pad)], 1), cu_seqlens=cu)[:, :t]
+
+
 def swap_parameters(model: torch.nn.Module, store: dict[str, torch.Tensor]) -> None:
     """Exchanges the named parameters' local values with ``store`` (in place, both ways). FSDP modules are
     resharded first, so no unsharded copy of the old values outlives the swap."""
     from torch.distributed.fsdp import FSDPModule
 
-    for m in model.modules():
+    for m in [*model.modules(), *getattr(model, "stage_modules", [])]:  # a pipeline's stage roots too
         if isinstance(m, FSDPModule):
             m.reshard()
     params = dict(model.named_parameters())

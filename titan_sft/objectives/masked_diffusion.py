@@ -285,11 +285,6 @@ class MaskedDiffusion(Objective):
         if v.path or v.holdout_fraction or v.test_path or v.sources:
             validators.append(DenoisingValidator(self))
         if v.generation_eval_path and v.generation_every:
-            if getattr(model, "pp_group", None) is not None:
-                raise ConfigError(f"config key 'validation.generation_eval_path' with parallelism.pp = "
-                                  f"{self.cfg.parallelism.pp}: generation during training calls the whole model "
-                                  "step by step, not a pipeline; leave it empty (or generation_every = 0) and run "
-                                  "python -m titan_sft.generate on the HF export")
             validators.append(GenerationValidator(self, model))
         return Validators(validators) if validators else None
 

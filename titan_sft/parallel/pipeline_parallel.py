@@ -30,13 +30,15 @@ one, and checkpoints and exports store one under the embedding's name.
   ``local``), its attention exchanging with the other cp ranks of the same stage; the hidden states between
   stages are that part ([rows, seq_len / cp / tp, dim]) and the last stage's loss takes the same part's targets.
 
+* Calling the pipelined model (:meth:`PipelinedModel.forward`: masked diffusion's generation and scoring during
+  training) runs one forward through the stages and broadcasts the logits to every rank of the slice.
+
 * Held-out validation runs the stages forward only (:meth:`PipelinedModel.hidden_states`): a chunk of
   microbatches goes through each stage in turn, activations sent on as soon as they are made, so the stages
   overlap as in GPipe's forward; the last stage computes the loss and its sums reach every rank.
 
-Not composed yet (refused with one line by :func:`check_pipeline_parallel`, or by the diffusion generation
-validator): the ZBVZeroBubble schedule (planned here, its weight-gradient pass fails on these stages) and
-generation during training (the sampler calls the whole model).
+Not composed yet (refused with one line by :func:`check_pipeline_parallel`): the ZBVZeroBubble schedule (planned
+here, its weight-gradient pass fails on these stages).
 """
 
 from __future__ import annotations
@@ -169,13 +171,53 @@ class PipelinedModel(nn.Module):
         if summed:
             self.tp_summed_params = ([p for params, _ in summed for p in params], summed[0][1])
 
+    @property
+    def stage_modules(self) -> list[nn.Module]:
+        """This rank's stages: FSDP roots that are not in this module's tree (their parts are)."""
+        return list(self._stages)
+
     def full_state_on_rank0(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The whole model's unsharded state (or, given ``state``, those of this rank's tensors and the same
         selection on every other stage) on global rank 0 (:func:`gather_full_state`)."""
         return gather_full_state(self, state)
 
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("a pipelined model runs through forward_backward(); it has no plain forward")
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] of a forward-only pass through the pipeline, on every rank, for whole-model calls
+        outside training (masked diffusion's generation and base-model scoring). A collective: every rank of the
+        pipeline slice calls it with the same inputs. Each stage's output goes to the next pp rank; the last
+        stage's logits (in the compute dtype) are broadcast from the last pp rank. Training runs through
+        :meth:`forward_backward`, held-out losses through :meth:`hidden_states`."""
+        b, t = input_ids.shape
+        device = input_ids.device
+        if positions is None:
+            positions = self.backend.default_positions(t, device).expand(b, t)
+        me, pp = dist.get_rank(self.pp_group), self.plan.pp
+        prev, succ, owner = (dist.get_global_rank(self.pp_group, r % pp) for r in (me - 1, me + 1, pp - 1))
+        last = self.plan.n_stages - 1
+        # this tp rank's sequence slice between stages (torch.chunk's split, as Shard(1) has it)
+        local_t = len(torch.arange(t).chunk(self.tp)[self.tp_mesh.get_local_rank()]) if self.tp > 1 else t
+        sent, logits = [], None
+        for stage_id, stage in zip(self.stage_ids, self._stages):
+            if stage_id == 0:
+                x = input_ids
+            else:
+                x = torch.empty(b, local_t, self.args.dim, dtype=self.hidden_dtype, device=device)
+                dist.recv(x, src=prev, group=self.pp_group)
+            h = stage(x, cu_seqlens=cu_seqlens, positions=positions, hidden_only=stage_id != last)
+            if stage_id == last:
+                logits = h.to(self.hidden_dtype).contiguous()
+            else:
+                h = h.to(self.hidden_dtype).contiguous()
+                sent.append((dist.isend(h, dst=succ, group=self.pp_group), h))
+        for work, _ in sent:
+            work.wait()
+        if logits is None:
+            logits = torch.empty(b, t, self.args.vocab_size, dtype=self.hidden_dtype, device=device)
+        from titan_sft.parallel import comm
+
+        return comm.broadcast(logits, owner, group=self.pp_group, what="pipeline logits")
 
     def to_empty(self, *, device, recurse: bool = True) -> "PipelinedModel":
         for stage in self._stages:  # each stage is an FSDP root: materialise through it
@@ -393,6 +435,7 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
             stage = build_stage(spec.model_cls, args, plan.stage_layers(s), s == 0, s == plan.n_stages - 1)
         spec.parallelize_fn(stage, mesh, cfg, device, stage_tp_plan(spec.tp_plan_fn()))
         stages.append(stage)
+    share_attention_backend(stages)
     model = PipelinedModel(stages, args, plan, ids, mesh["pp"].get_group())
     if mesh["tp"].size() > 1:
         model.tp_mesh = mesh["tp"]
@@ -421,6 +464,20 @@ def build_pipelined_model(spec, args, cfg: JobConfig, mesh, device: torch.device
     model.reduce_last = cfg.parallelism.grad_reduce == "last_microbatch"
     model.build_schedule(n_microbatches, device, loss_fn, t.per_device_batch, seq_len, DTYPES[t.param_dtype])
     return model
+
+
+def share_attention_backend(stages: list[nn.Module]) -> None:
+    """Points every stage of this rank at the first stage's attention backend, so that what a caller sets on
+    the pipelined model's ``backend`` (causal scoring, context parallel's whole-row mode) holds for all its
+    stages, as for a whole model's layers."""
+    from titan_sft.models.attention import AttentionBackend
+    from titan_sft.parallel.context_parallel import ContextParallelAttention
+
+    backend = stages[0].backend
+    for stage in stages[1:]:
+        for m in stage.modules():
+            if isinstance(getattr(m, "backend", None), (AttentionBackend, ContextParallelAttention)):
+                m.backend = backend
 
 
 def stage_tp_plan(plan):
