@@ -99,7 +99,8 @@ def main() -> int:
             flops = pairs * 4 * h * d * (3 if backward else 1)
             record.update(ms=t * 1e3, tokens_per_s=rows * seq_len / t, tflops=flops / t / 1e12,
                           mfu=100 * flops / t / peak if peak else None, mfu_torchtitan=None,
-                          memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+                          memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                          memory_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
         except Exception as e:  # one backend's failure is its line; the others still run
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
         results[name] = record
@@ -107,7 +108,7 @@ def main() -> int:
             f.write(json.dumps(record) + "\n")
         write_table(jsonl, Path(a.table))
         print(json.dumps(record), flush=True)
-    return 0
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -35,11 +35,45 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_models_import_no_training_code():
     """models/ imports nothing of titan_sft outside models/ (at the top or inside a function): no training code,
-    and no circle with hf_io, which builds on models.hf_checkpoint."""
+    and no circle with hf_io, which builds on models.hf_checkpoint. The torch compat module (a leaf) is allowed."""
     for path in sorted((PKG / "models").glob("*.py")):
         for mod in imported_modules(path):
-            if mod.startswith("titan_sft"):
+            if mod.startswith("titan_sft") and mod != "titan_sft.compat":
                 assert mod.startswith("titan_sft.models"), f"{path.name} imports {mod}"
+    assert not [m for m in imported_modules(PKG / "compat.py") if m.startswith("titan_sft")]
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """Private torch names a file reaches: imports of a ``_``-prefixed torch module or name, and attribute chains
+    from ``torch`` through a ``_``-prefixed attribute (``torch._dynamo.config``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            if any(part.startswith("_") for part in node.module.split(".")) or any(
+                    a.name.startswith("_") for a in node.names):
+                found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == "torch":
+                found.append(f"{path.name}:{node.lineno} torch.{'.'.join(reversed(chain))}")
+    return found
+
+
+def test_private_torch_api_lives_in_the_compat_module():
+    """The supported torch range (titan_sft.compat.SUPPORTED_TORCH) is kept in one place: no other module of the
+    package reaches a private torch name, and pyproject states the same range."""
+    from titan_sft.compat import SUPPORTED_TORCH
+
+    uses = [u for path in sorted(PKG.rglob("*.py")) if path.name != "compat.py" for u in private_torch_uses(path)]
+    assert uses == []
+    assert private_torch_uses(PKG / "compat.py")  # the check sees them where they are
+    assert f'"torch{SUPPORTED_TORCH}"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_registry_is_a_leaf():

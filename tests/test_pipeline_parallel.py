@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_parallel import ROOT, close, one_rank, run, run_diffusion_layouts, run_first_steps_like  # noqa: F401
+from test_parallel import BASE, ROOT, close, one_rank, run, run_diffusion_layouts, run_first_steps_like  # noqa: F401
 from titan_sft.config import ConfigError, check_layout, load_config, pipeline_split
 from titan_sft.hf_io import model_args
 from titan_sft.parallel.pipeline_parallel import PipelinePlan, check_pipeline_parallel
@@ -201,3 +201,29 @@ def test_masked_diffusion_pp2_cp2_matches_one_rank(tmp_path):
     texts = [[json.loads(x)["text"] for x in (tmp_path / d / "generation_metrics.jsonl").read_text().splitlines()]
              for d in ("two", "one")]
     assert texts[0] == texts[1] and len(texts[0]) == 4
+
+
+@pytest.mark.slow
+def test_held_out_validation_survives_synchronous_sends(tmp_path):
+    """NCCL does not buffer large sends: a send completes only when its receive is posted, and a rank's
+    point-to-point operations run in the order it issued them. tests/dist/sync_p2p.py gives gloo those semantics.
+    pp 2 with Interleaved1F1B (two stages per rank, activations crossing back and forth) and held-out validation:
+    the hand-ordered exchange this replaced hung here (rank 0 sending stage 0's second microbatch while rank 1
+    sent stage 1's first); the batched, ticked exchange finishes, with the validation loss of one rank."""
+    val = ["--validation.holdout_fraction", "0.1", "--validation.max_packs", "8", "--validation.batch_size", "1",
+           "--validation.interval", "2", "--training.steps", "2", "--checkpoint.hf_export_interval", "-1"]
+    one = run(1, tmp_path / "one", *val)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/dist/sync_p2p.py", "--config", "train_configs/debug_model.toml", *BASE, *val,
+           "--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
+           "--job.dump_folder", str(tmp_path / "pp")]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"pp 2 validation hung with synchronous sends: {(e.stdout or b'')[-2000:]!r}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pp = [json.loads(x) for x in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
+    ours, ref = ([r for r in recs if r["split"] == "validation"] for recs in (pp, one))
+    assert [r["step"] for r in ours] == [r["step"] for r in ref] == [2]
+    assert close(ours[0]["loss"], ref[0]["loss"], 1e-5) and ours[0]["n_loss_tokens"] == ref[0]["n_loss_tokens"] > 0

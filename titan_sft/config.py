@@ -766,11 +766,22 @@ def validation_sets(cfg: JobConfig) -> list[tuple[str | None, str, float]]:
     return [(x.name, x.path, x.weight or train.get(x.name, 1.0)) for x in v.sources]
 
 
-def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_experts: bool = False) -> None:
-    """Expert parallel places n_experts / ep whole experts on each expert-parallel rank; the routed experts'
-    data-dependent shapes do not compile yet; adapters on experts need a model that has them."""
+def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_experts: bool = False,
+                          tp: int = 1) -> None:
+    """Expert parallel places n_experts / ep whole experts on each expert-parallel rank; adapters on experts need
+    a model that has them. Compiled blocks with routed experts under tp or ep need FSDP2's per-parameter mesh
+    (torch >= 2.13): on an older torch the experts are FSDP modules of their own inside the block, whose hooks
+    break a fullgraph compile."""
+    from titan_sft.compat import PER_PARAM_MESH, PER_PARAM_MESH_TORCH
+
     if lora_experts and not n_experts:
         raise ConfigError("config key 'lora.experts': true, but the model has no routed experts; set it to false")
+    if compile and n_experts and (ep > 1 or tp > 1) and not PER_PARAM_MESH:
+        import torch
+
+        raise ConfigError(f"config key 'training.compile': compiled blocks with routed experts under tp or ep need "
+                          f"torch >= {PER_PARAM_MESH_TORCH} (FSDP2's per-parameter mesh); this is torch "
+                          f"{torch.__version__}: set training.compile = false, or use torch >= {PER_PARAM_MESH_TORCH}")
     if ep == 1:
         return
     if not n_experts:

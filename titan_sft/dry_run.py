@@ -247,7 +247,8 @@ def dry_run(cfg: JobConfig) -> str:
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp)
     check_context_parallel(cp, cfg.parallelism.cp_mode, tp, args.n_heads, args.n_kv_heads,
                            L or cp * tp * 2, attention)
-    check_expert_parallel(ep, args.n_experts, cfg.training.compile, "lora" in cfg.model.converters and cfg.lora.experts)
+    check_expert_parallel(ep, args.n_experts, cfg.training.compile, "lora" in cfg.model.converters and cfg.lora.experts,
+                          tp)
     plan = spec.tp_plan_fn()
     dtype_bytes = 2 if cfg.training.param_dtype == "bfloat16" else 4
     pipeline_lines, stage_share = [], 1.0
@@ -333,3 +334,32 @@ def dry_run(cfg: JobConfig) -> str:
         *layout,
     ]
     return "\n".join(lines)
+
+
+def peak_memory_estimate(cfg: JobConfig, seq_len: int) -> dict[str, float]:
+    """Bytes one rank of a run without pipeline parallel needs at its peak, as the dry run plans it: parameters,
+    gradients and AdamW state (:func:`memory_per_rank`, LoRA applied where the config has it) plus one microbatch
+    of ``seq_len``-token rows' activations (:func:`activation_memory_per_rank`). Keys: ``state``, ``activations``,
+    ``total``. A floor, not a bound: the caching allocator's fragmentation and the kernels' workspaces come on
+    top."""
+    spec = get_train_spec(cfg.model.name)
+    attention, _ = resolve_backend(cfg.model.attention, "cuda")
+    args = model_args(dataclasses.replace(cfg.model, attention=attention), spec)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    if "lora" in cfg.model.converters:
+        from titan_sft.lora import apply_lora
+
+        apply_lora(model, cfg)
+    _, dp_shard, tp, ep, cp, pp = check_layout(cfg, planned_world_size(cfg))
+    if pp > 1:
+        raise ValueError("peak_memory_estimate plans layouts without pipeline parallel; the dry run plans pp")
+    t = cfg.training
+    dtype_bytes = 2 if t.param_dtype == "bfloat16" else 4
+    mem = memory_per_rank(model, spec.tp_plan_fn(), dp_shard * cp, tp, dtype_bytes, ep)
+    state = mem["params"] + mem["grads"] + mem["optimizer"]
+    if cfg.parallelism.grad_reduce == "last_microbatch":
+        state += mem["deferred_grads"]
+    act = activation_memory_per_rank(args, seq_len, t.per_device_batch, cp, tp, t.activation_checkpoint,
+                                     t.ac_every_n, dtype_bytes, t.loss_chunk_size)
+    return {"state": state, "activations": act["total"], "total": state + act["total"]}

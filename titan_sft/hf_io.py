@@ -166,7 +166,8 @@ def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict
     shards them) from the checkpoint's per-expert tensors; no rank reads experts it does not hold."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from titan_sft.compat import local_shape_and_offset
 
     where = {}
     for file in hf_safetensors_files(resolve_hf_dir(path)):
@@ -183,7 +184,7 @@ def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict
                                      f"{tuple(param.shape[1:])}")
             if isinstance(param, DTensor):
                 local = param.to_local()
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                shape, offset = local_shape_and_offset(param.shape, param.device_mesh,
                                                                       param.placements)
             else:
                 local, shape, offset = param, tuple(param.shape), (0,) * param.ndim

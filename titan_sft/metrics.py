@@ -118,15 +118,19 @@ class MetricsLogger:
 
     def throughput(self, n_tokens: int, step_flops: float, seconds: float, world: int) -> dict:
         """Of one step, per device: ``tokens_per_s`` (input tokens), ``tflops`` (done, :class:`FlopCounter`),
-        ``mfu`` and ``mfu_torchtitan`` (percent, None where the device's peak is unknown) and ``memory_gib`` (peak,
-        None on CPU). ``n_tokens`` and ``step_flops`` are totals over all ranks."""
+        ``mfu`` and ``mfu_torchtitan`` (percent, None where the device's peak is unknown), ``memory_gib`` (peak
+        allocated by tensors) and ``memory_reserved_gib`` (peak held by the caching allocator, what the GPU really
+        lends: torchtitan reports this one), both None on CPU. ``n_tokens`` and ``step_flops`` are totals over all
+        ranks."""
         tokens_per_s = n_tokens / world / seconds
         flops_per_s = step_flops / world / seconds
         mfu = 100 * flops_per_s / self.peak if self.peak else None
         titan = 100 * tokens_per_s * self.flops.torchtitan_per_token / self.peak if self.peak else None
-        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None
+        reserved = torch.cuda.max_memory_reserved(self.device) / 2**30 if cuda else None
         return {"tokens_per_s": tokens_per_s, "tflops": flops_per_s / 1e12, "mfu": mfu, "mfu_torchtitan": titan,
-                "memory_gib": memory}
+                "memory_gib": memory, "memory_reserved_gib": reserved}
 
     def observe(self, record: dict) -> None:
         """Every train step's record, logged or not: feeds ``loss_running`` (the mean loss since the last log) and
@@ -166,7 +170,8 @@ class MetricsLogger:
                 self.start_step, self.t_start = step - 1, time.monotonic() - record["step_time_s"]
             done = step - self.start_step
             eta = (time.monotonic() - self.t_start) / done * (self.total - step)
-            mem = f" mem {record['memory_gib']:.1f}GiB" if record.get("memory_gib") is not None else ""
+            mem = (f" mem {record['memory_gib']:.1f}/{record['memory_reserved_gib']:.1f}GiB (alloc/reserved)"
+                   if record.get("memory_gib") is not None else "")
             mfu = f" mfu {record['mfu']:.1f}%" if record.get("mfu") is not None else ""
             logger.info(f"step {step}/{self.total}  loss {record['loss']:.4f} (avg {record.get('loss_running', record['loss']):.4f})  "
                         f"lr {record['lr']:.3e}  "

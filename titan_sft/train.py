@@ -84,7 +84,7 @@ class Trainer:
         check_context_parallel(d.dims.cp, cfg.parallelism.cp_mode, d.dims.tp, self.args.n_heads,
                                self.args.n_kv_heads, self.seq_len, cfg.model.attention)
         check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile,
-                              "lora" in cfg.model.converters and cfg.lora.experts)
+                              "lora" in cfg.model.converters and cfg.lora.experts, d.dims.tp)
         check_pipeline_parallel(cfg, self.args)
         self.pipelined = d.dims.pp > 1
         if self.pipelined:  # this rank's stages, the loss on the last one

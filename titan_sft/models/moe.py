@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_sft.compat import grouped_mm, has_grouped_mm
+
 
 @dataclass
 class RouterStats:
@@ -66,7 +68,7 @@ def grouped_mm_available(dtype: torch.dtype, device: torch.device) -> bool:
 
     Under torch.compile only bf16 does: the op's fake-tensor kernel, which tracing runs, accepts nothing else (it
     mirrors the CUDA kernel's checks), so a compiled fp32 block runs the experts as the loop."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not has_grouped_mm():
         return False
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
@@ -115,7 +117,7 @@ def expert_matmul(counts: torch.Tensor, impl: str):
     [E, out, in]; as one grouped GEMM, or one expert at a time (the reference; it syncs ``counts`` to the host)."""
     if impl == "grouped":
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        return lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+        return lambda a, w: grouped_mm(a, w.transpose(-2, -1), offs)
     sizes = counts.tolist()
 
     def loop(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
                     what: str = "expert-parallel rows") -> torch.Tensor:
     """Rows of ``x`` sent in blocks of ``input_splits`` to the ranks of ``group``, received in blocks of
     ``output_splits``; differentiable (the gradient takes the way back)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from titan_sft.compat import all_to_all_single_autograd
 
     _check(x, what)
     return all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
@@ -125,7 +125,7 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
 def all_gather_rows(x: torch.Tensor, group, what: str = "all-gather rows") -> torch.Tensor:
     """``x`` of every rank of ``group`` stacked along dim 0 (rank-major); differentiable (the gradient is
     reduce-scattered back)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from titan_sft.compat import all_gather_tensor_autograd
 
     _check(x, what)
     return all_gather_tensor_autograd(x.contiguous(), 0, group)
@@ -135,13 +135,13 @@ class _HostTensorMarker(TorchFunctionMode):
     """Marks tensors a GPU run would hold on the host (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.utils._device import _device_constructors
+        from titan_sft.compat import device_constructors
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor):
             return out
-        if func in _device_constructors() or func in (torch.from_numpy, torch.as_tensor):
+        if func in device_constructors() or func in (torch.from_numpy, torch.as_tensor):
             if kwargs.get("device") is None:
                 out._titan_host = True
             return out

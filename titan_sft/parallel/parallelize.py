@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from titan_sft.compat import (PER_PARAM_MESH, PER_PARAM_MESH_TORCH, allow_unbacked_scalars, checkpoint_wrapper,
+                              flex_attention_op, shard_on_mesh)
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
 from titan_sft.parallel.parallel_dims import moe_fsdp_meshes
@@ -61,7 +63,7 @@ def _save_ops() -> set:
                 break
         if obj is not None:
             ops.add(obj)
-    ops.add(torch._higher_order_ops.flex_attention)
+    ops.add(flex_attention_op())
     return ops
 
 
@@ -82,8 +84,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2
     """'full': recompute every block in backward; 'every_n': every n-th block (0, n, 2n, ...); 'selective':
     every block, recomputing all but the ops of :func:`_save_ops`. ``preserve_rng``: replay the forward's RNG
     state in the recompute (needed when a block draws random numbers, e.g. LoRA dropout)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if mode == "selective":
             wrapped = checkpoint_wrapper(block, context_fn=selective_checkpoint_context,
@@ -101,7 +101,7 @@ def apply_compile(model: nn.Module) -> None:
 
     Routed experts have data-dependent sizes (rows per expert, the all-to-all's splits under expert parallel);
     ``capture_scalar_outputs`` lets them into the graph as unbacked symbols, so one graph serves every routing."""
-    torch._dynamo.config.capture_scalar_outputs = True
+    allow_unbacked_scalars()
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, fullgraph=True))
 
@@ -139,22 +139,27 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     backwards (torchtitan's default under PP) would save their all-gathers but hold the stage's bf16 weights whole
     (Llama-70B's 21-layer pp rank: 36 GB).
     """
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-
     from titan_sft.models.moe import GroupedExperts, Router
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    moe_info = _get_mesh_info(moe_mesh) if moe_mesh is not None else None
-    experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else moe_info
+    experts_mesh = experts_mesh if experts_mesh is not None else moe_mesh
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
-        own = {p: experts_info for m in block.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-        own.update({p: moe_info for m in block.modules() if isinstance(m, Router) for p in m.parameters()})
-        own = {p: info for p, info in own.items() if info is not None}  # the MoE's parameters on their own mesh
-        placement = (lambda p, own=own: ShardPlacementResult(Shard(0), own[p]) if p in own else None) if own else None
+        # The MoE's parameters on their own mesh: (module, mesh) for each router and expert group.
+        own = [(m, moe_mesh) for m in block.modules() if isinstance(m, Router) and moe_mesh is not None]
+        own += [(m, experts_mesh) for m in block.modules() if isinstance(m, GroupedExperts) and experts_mesh is not None]
         # The last block's params are needed first in backward: keep them gathered after forward.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1, shard_placement_fn=placement)
+        reshard = i < n - 1
+        placement = None
+        if own and PER_PARAM_MESH:
+            meshes = {p: shard_on_mesh(m_mesh) for m, m_mesh in own for p in m.parameters()}
+            placement = lambda p, meshes=meshes: meshes.get(p)  # noqa: E731
+        elif own:
+            # torch < 2.13: each router and expert group is an FSDP module of its own on its mesh (torchtitan's
+            # layout before per-parameter meshes). Same shards, same sums; the block's FSDP module holds the rest.
+            for m, m_mesh in own:
+                fully_shard(m, mesh=m_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     # Sum, not average, across ranks: the loss is already normalised by global token counts (recipe item 10).
     # Both settings are per FSDP module.

@@ -34,7 +34,8 @@ one, and checkpoints and exports store one under the embedding's name.
   training) runs one forward through the stages and broadcasts the logits to every rank of the slice.
 
 * Held-out validation runs the stages forward only (:meth:`PipelinedModel.hidden_states`): a chunk of
-  microbatches goes through each stage in turn, activations sent on as soon as they are made, so the stages
+  microbatches goes through the stages in ticks (stage s runs microbatch k - s at tick k), each tick starting with one
+  batched exchange of activations (order-proof under NCCL), so the stages
   overlap as in GPipe's forward; the last stage computes the loss and its sums reach every rank.
 
 Not composed yet (refused with one line by :func:`check_pipeline_parallel`): the ZBVZeroBubble schedule (planned
@@ -189,35 +190,18 @@ class PipelinedModel(nn.Module):
         pipeline slice calls it with the same inputs. Each stage's output goes to the next pp rank; the last
         stage's logits (in the compute dtype) are broadcast from the last pp rank. Training runs through
         :meth:`forward_backward`, held-out losses through :meth:`hidden_states`."""
-        b, t = input_ids.shape
-        device = input_ids.device
-        if positions is None:
-            positions = self.backend.default_positions(t, device).expand(b, t)
-        me, pp = dist.get_rank(self.pp_group), self.plan.pp
-        prev, succ, owner = (dist.get_global_rank(self.pp_group, r % pp) for r in (me - 1, me + 1, pp - 1))
-        last = self.plan.n_stages - 1
-        # this tp rank's sequence slice between stages (torch.chunk's split, as Shard(1) has it)
-        local_t = len(torch.arange(t).chunk(self.tp)[self.tp_mesh.get_local_rank()]) if self.tp > 1 else t
-        sent, logits = [], None
-        for stage_id, stage in zip(self.stage_ids, self._stages):
-            if stage_id == 0:
-                x = input_ids
-            else:
-                x = torch.empty(b, local_t, self.args.dim, dtype=self.hidden_dtype, device=device)
-                dist.recv(x, src=prev, group=self.pp_group)
-            h = stage(x, cu_seqlens=cu_seqlens, positions=positions, hidden_only=stage_id != last)
-            if stage_id == last:
-                logits = h.to(self.hidden_dtype).contiguous()
-            else:
-                h = h.to(self.hidden_dtype).contiguous()
-                sent.append((dist.isend(h, dst=succ, group=self.pp_group), h))
-        for work, _ in sent:
-            work.wait()
-        if logits is None:
-            logits = torch.empty(b, t, self.args.vocab_size, dtype=self.hidden_dtype, device=device)
         from titan_sft.parallel import comm
 
-        return comm.broadcast(logits, owner, group=self.pp_group, what="pipeline logits")
+        b, t = input_ids.shape
+        if positions is None:
+            positions = self.backend.default_positions(t, input_ids.device).expand(b, t)
+        kwargs = {"cu_seqlens": cu_seqlens, "positions": positions}
+        logits = self._forward_stages([(input_ids, kwargs)], logits=True)[0]
+        if logits is None:
+            logits = torch.empty(b, t, self.args.vocab_size, dtype=self.hidden_dtype, device=input_ids.device)
+        owner = dist.get_global_rank(self.pp_group, self.plan.pp - 1)
+        return comm.broadcast(logits.to(self.hidden_dtype).contiguous(), owner, group=self.pp_group,
+                              what="pipeline logits")
 
     def to_empty(self, *, device, recurse: bool = True) -> "PipelinedModel":
         for stage in self._stages:  # each stage is an FSDP root: materialise through it
@@ -265,37 +249,58 @@ class PipelinedModel(nn.Module):
         """Forward only through the pipeline, for held-out evaluation: ``items`` are tuples whose first element is
         a microbatch on the device (every rank of a pipeline slice gives the same ones); yields each item with the
         model's final hidden states (as ``model(..., hidden_only=True)`` returns them) on ranks holding the last
-        stage, None elsewhere.
-
-        Takes a step's number of microbatches at a time through this rank's stages in stage order, receiving each
-        input from the previous pp rank and sending each output on without waiting, so the stages overlap (a
-        GPipe forward); stage s lives on pp rank s mod pp, so every rank receives in the order its peer sent."""
+        stage, None elsewhere. A step's number of microbatches at a time go through :meth:`_forward_stages`."""
         inputs = stage_inputs(self.backend)
-        me, pp = dist.get_rank(self.pp_group), self.plan.pp
-        prev, succ = (dist.get_global_rank(self.pp_group, (me + d) % pp) for d in (-1, 1))
-        last = self.plan.n_stages - 1
         it = iter(items)
         while chunk := list(itertools.islice(it, self.n_microbatches)):
-            args = [inputs(item[0]) for item in chunk]
-            outs: list = [None] * len(chunk)
-            sent = []  # (work, tensor): a tensor stays alive until its send completes
-            for stage_id, stage in zip(self.stage_ids, self._stages):
-                for i, (ids, kwargs) in enumerate(args):
-                    if stage_id == 0:
-                        x = ids
-                    else:
-                        x = torch.empty(ids.shape[0], ids.shape[1] // self.tp, self.args.dim,
-                                        dtype=self.hidden_dtype, device=ids.device)
-                        dist.recv(x, src=prev, group=self.pp_group)
-                    h = stage(x, **kwargs)
-                    if stage_id == last:
-                        outs[i] = self.final_hidden(h)
-                    else:
-                        h = h.to(self.hidden_dtype).contiguous()
-                        sent.append((dist.isend(h, dst=succ, group=self.pp_group), h))
-            for work, _ in sent:
-                work.wait()
-            yield from zip(chunk, outs)
+            outs = self._forward_stages([inputs(item[0]) for item in chunk])
+            yield from zip(chunk, [None if h is None else self.final_hidden(h) for h in outs])
+
+    def _forward_stages(self, args: list[tuple], logits: bool = False) -> list:
+        """Runs each ``(ids, kwargs)`` of ``args`` (microbatch m) through this rank's stages, GPipe-style in ticks:
+        at tick k stage s runs microbatch k - s. Each tick starts with one batched exchange
+        (``batch_isend_irecv``) of the outputs the previous tick made and the inputs this tick needs, so no rank
+        waits on a send its peer has not yet matched with a receive (NCCL, unlike gloo, does not buffer large
+        sends: hand-ordered sends and receives deadlock as soon as two ranks post them in different orders).
+        Returns the last stage's outputs (its hidden states, or with ``logits`` the head's), None on other ranks."""
+        me, pp = dist.get_rank(self.pp_group), self.plan.pp
+        prev, succ = (dist.get_global_rank(self.pp_group, (me + d) % pp) for d in (-1, 1))
+        last, n = self.plan.n_stages - 1, len(args)
+        stages = sorted(zip(self.stage_ids, self._stages), key=lambda x: x[0])
+        outs: list = [None] * n
+        to_send: list[torch.Tensor] = []  # in stage order, as the next rank posts its receives
+        for tick in range(n + last):
+            ops, inbox = [], {}
+            for h in to_send:
+                ops.append(dist.P2POp(dist.isend, h, succ, self.pp_group))
+            for stage_id, _ in stages:
+                m = tick - stage_id
+                if stage_id > 0 and 0 <= m < n:
+                    ids = args[m][0]
+                    inbox[stage_id] = torch.empty(ids.shape[0], self._local_len(ids.shape[1]), self.args.dim,
+                                                  dtype=self.hidden_dtype, device=ids.device)
+                    ops.append(dist.P2POp(dist.irecv, inbox[stage_id], prev, self.pp_group))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            to_send = []
+            for stage_id, stage in stages:
+                m = tick - stage_id
+                if not 0 <= m < n:
+                    continue
+                ids, kwargs = args[m]
+                h = stage(ids if stage_id == 0 else inbox[stage_id],
+                          **{**kwargs, "hidden_only": not (logits and stage_id == last)})
+                if stage_id == last:
+                    outs[m] = h
+                else:
+                    to_send.append(h.to(self.hidden_dtype).contiguous())
+        return outs
+
+    def _local_len(self, t: int) -> int:
+        """This tp rank's sequence slice of ``t`` positions between stages (torch.chunk's split, as Shard(1)
+        has it)."""
+        return len(torch.arange(t).chunk(self.tp)[self.tp_mesh.get_local_rank()]) if self.tp > 1 else t
 
     @property
     def tp(self) -> int:
