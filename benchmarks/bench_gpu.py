@@ -74,7 +74,7 @@ CASES: dict[str, tuple[str, list[str], str | None, str]] = {
     "moe_30b_a3b_4l_bf16_varlen": ("30B-A3B-4L", _MOE + _VARLEN, None,
                                    "4 Qwen3-30B-A3B layers, grouped GEMM; MFU on active parameters"),
     "moe_30b_a3b_4l_f8_rowwise_varlen": ("30B-A3B-4L", _MOE + _VARLEN + _F8, "moe_30b_a3b_4l_bf16_varlen",
-                                         "float8 attention (experts stay bf16 grouped GEMM)"),
+                                         "float8 attention and experts (float8 grouped GEMM, groups padded to 16 rows)"),
     "moe_30b_a3b_4l_bf16_compile_varlen": ("30B-A3B-4L", _MOE + _C + _VARLEN, "moe_30b_a3b_4l_bf16_varlen",
                                            "compiled MoE blocks (fullgraph, unbacked expert row counts)"),
 }

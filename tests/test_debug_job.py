@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.torch_range
 @pytest.mark.slow
 def test_run_train_debug_job_learns_the_task(tmp_path):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

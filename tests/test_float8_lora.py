@@ -114,3 +114,23 @@ def test_debug_diffusion_job_in_float8_tracks_high_precision(tmp_path):
                       if json.loads(x)["split"] == "train"]
     assert len(losses["true"]) == 20 and losses["true"] != losses["false"]
     assert losses["true"] == pytest.approx(losses["false"], rel=5e-2)
+
+
+def test_tensorwise_float8_scales_hook_lives_on_the_model_not_the_process(monkeypatch):
+    """Tensor-wise float8 on a GPU all-gathers FSDP shards in float8 and recomputes every weight's scale after
+    each optimizer step. That work hangs off the model (``after_optimizer_step``, which the trainer registers on
+    its own optimizer), not a process-wide optimizer hook: one of those kept the first trainer's model alive and
+    ran it at every step of a later trainer in the same process (the GPU tests, the GPU check's phases)."""
+    import torch.optim.optimizer as optim_mod
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    import titan_sft.converters as conv
+
+    monkeypatch.setattr(conv, "float8_supported", lambda device: True)  # the GPU branch, on a CPU model
+    cfg = load_config(None, ["--training.float8", "true", "--training.float8_recipe", "tensorwise"])
+    before = dict(optim_mod._global_optimizer_post_hooks)
+    model = build_model(DEBUG, device="cpu")
+    conv.float8_converter(model, cfg, torch.device("cuda"))
+    assert dict(optim_mod._global_optimizer_post_hooks) == before
+    assert model.after_optimizer_step.func is precompute_float8_dynamic_scale_for_fsdp
+    assert model.after_optimizer_step.args == (model,)

@@ -74,3 +74,24 @@ def test_torchtitan_convention_and_mfu_fields():
     assert r["mfu"] == pytest.approx(100 * flops / 2 / 0.5 / 1e12)
     assert r["mfu_torchtitan"] == pytest.approx(100 * r["tokens_per_s"] * titan / 1e12)
     assert r["tflops"] == pytest.approx(flops / 2 / 0.5 / 1e12)
+
+
+def test_pipeline_counts_the_converted_whole_model():
+    """Under pipeline parallel a rank holds some layers, so the counter counts the whole model built on the meta
+    device: with LoRA's converter applied, as every stage has it (the frozen base at 4 FLOPs per weight, the
+    adapters counted), equal to the one-rank count; counted unconverted it was 1.4x high here."""
+    from titan_sft.lora import apply_lora
+    from titan_sft.train import flop_model
+
+    spec = get_train_spec("qwen3")
+    cfg = load_config(None, ["--model.converters", "lora", "--lora.rank", "4"])
+    args = spec.flavors["debug"]
+    with torch.device("meta"):
+        one_rank = spec.model_cls(args)
+        apply_lora(one_rank, cfg)
+        plain = spec.model_cls(args)
+    ours = FlopCounter.from_model(flop_model(spec, args, cfg, None, pipelined=True), args, 256, causal=True)
+    ref = FlopCounter.from_model(one_rank, args, 256, causal=True)
+    unconverted = FlopCounter.from_model(plain, args, 256, causal=True)
+    assert ours.body_per_token == ref.body_per_token and ours.head_per_position == ref.head_per_position
+    assert unconverted.body_per_token > 1.35 * ours.body_per_token  # measured 1.40x on the debug model

@@ -33,14 +33,20 @@ def _train(dump, *overrides, config="train_configs/debug_model.toml", inspect=No
     from titan_sft.train import Trainer
 
     os.environ["MASTER_PORT"] = str(_free_port())
+    import torch.distributed as dist
+
     cfg = load_config(config, [*FAST, "--job.dump_folder", str(dump), *overrides])
-    trainer = Trainer(cfg)
-    try:
+    trainer = None
+    try:  # the construction too: a failed one must not leave its process group to the next test
+        trainer = Trainer(cfg)
         if inspect:
             inspect(trainer)
         trainer.train()
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
     return [r for r in map(json.loads, (Path(dump) / "metrics.jsonl").read_text().splitlines())
             if r["split"] == "train"]
 

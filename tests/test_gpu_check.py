@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.torch_range
 @pytest.mark.slow
 def test_gpu_check_rehearsal_runs_every_phase_and_writes_every_file(tmp_path):
     wheels = tmp_path / "wheels"

@@ -452,3 +452,17 @@ def test_transformer_engine_recipe_knobs_reach_delayed_scaling(monkeypatch):
     assert len(converted) == 4 * 7 and isinstance(model.layers["0"].attention.wq, Linear)
     model(torch.randint(0, 500, (1, 16)))
     assert len(autocasts) == 4 and all(e and r is recipes[0] for e, r in autocasts)
+
+
+def test_flex_block_masks_are_built_compiled_on_gpu():
+    """On a GPU the flex mask is built by a compiled ``create_block_mask`` (one compile, shared by every forward
+    and by context parallel's masks): eager, it materialises a mask element per (query, key) pair of each row,
+    ~1G at 32k. The CPU reference path builds it eagerly."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from titan_sft.models.attention import block_mask_fn
+
+    assert block_mask_fn(torch.device("cpu")) is create_block_mask
+    compiled = block_mask_fn(torch.device("cuda"))  # compiles on its first call, so nothing runs here
+    assert compiled is not create_block_mask and block_mask_fn(torch.device("cuda")) is compiled
+    assert getattr(compiled, "__wrapped__", None) is create_block_mask

@@ -108,6 +108,37 @@ def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward():
     assert torch.equal(c1, c2) and c1.sum() == 3 * 20 * 2  # dropless: every token reaches its 2 experts
 
 
+def test_groups_padded_for_float8_grouped_gemm_change_no_number():
+    """torchao's float8 grouped GEMM needs each expert's row group aligned to 16 rows: the experts pad their
+    groups with zero rows (static padded size, the last group taking the slack) and gather their rows back. On
+    the CPU's grouped GEMM the padded run equals the unpadded one, forward and backward (an expert with no rows,
+    groups of 1 and of more than 16 rows included), and every group boundary is a multiple of 16."""
+    from titan_sft.models.moe import GroupedExperts, pad_groups
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(32, 48, 5)
+    experts.init_weights(0.5, 0.3)
+    counts = torch.tensor([7, 0, 1, 23, 9])
+    x = torch.randn(int(counts.sum()), 32, requires_grad=True)
+    g = torch.randn(x.shape[0], 32)
+    padded, padded_counts, rows = pad_groups(x.detach(), counts, 16)
+    assert padded.shape[0] % 16 == 0 and padded.shape[0] >= x.shape[0] + 5 * 15
+    assert padded_counts.sum() == padded.shape[0] and (torch.cumsum(padded_counts, 0) % 16 == 0).all()
+    assert torch.equal(padded[rows], x.detach()) and padded.abs().sum() == x.detach().abs().sum()
+    results = []
+    for align in (1, 16):
+        experts.row_align = align
+        experts.zero_grad()
+        x.grad = None
+        out = experts(x, counts, "grouped")
+        (out * g).sum().backward()
+        results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in experts.parameters()]))
+    (o1, gx1, gp1), (o2, gx2, gp2) = results
+    # fp32 sums in another blocking order: relative 1e-5 (the values are up to ~20)
+    assert torch.allclose(o1, o2, rtol=1e-5, atol=1e-5) and torch.allclose(gx1, gx2, rtol=1e-5, atol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(gp1, gp2))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_compiled_moe_equals_eager_and_serves_every_routing_with_one_graph(dtype):
     """training.compile with routed experts: the MoE compiles with fullgraph (bf16: torch's grouped GEMM; fp32,

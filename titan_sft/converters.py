@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import types
 
 import torch
@@ -52,6 +53,7 @@ def _import_torchao_float8():
 
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+FLOAT8_GROUP_ALIGN = 16  # rows per expert group that torchao's float8 grouped GEMM needs (torchtitan pads to 16)
 
 
 def float8_experts_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -63,7 +65,9 @@ def apply_float8_experts(model: nn.Module) -> list[str]:
     """The routed experts' stacked weights become torchao's float8 training weights (its ``moe_training``
     prototype): every ``torch._grouped_mm`` on them quantises both operands row-wise to float8 and runs the
     scaled grouped GEMM, forward and backward; the weight itself stays high precision (``._data``), so FSDP,
-    checkpoints and the HF export see the same tensor. Returns the converted weights' names."""
+    checkpoints and the HF export see the same tensor. That GEMM needs every expert's row group aligned to 16
+    rows (torchao 0.18): the experts pad their groups (``GroupedExperts.row_align``, zero rows that change no
+    number). Returns the converted weights' names."""
     with _quiet_torchao():
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
         from torchao.prototype.moe_training.tensor import Float8TrainingWeightWrapperTensor
@@ -73,6 +77,7 @@ def apply_float8_experts(model: nn.Module) -> list[str]:
     config, names = Float8TrainingOpConfig(), []
     for fqn, m in model.named_modules():
         if isinstance(m, GroupedExperts):
+            m.row_align = FLOAT8_GROUP_ALIGN
             for w in EXPERT_WEIGHTS:
                 p = getattr(m, w)
                 m.register_parameter(w, nn.Parameter(Float8TrainingWeightWrapperTensor(p.data, config),
@@ -258,11 +263,10 @@ def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> 
             logger.warning(f"[parallelize] float8 grouped GEMM for the routed experts needs CUDA with compute "
                            f"capability 9.0+ and bf16; on {device.type} ({dtype}) the experts compute in {dtype} "
                            "(the other block linears are float8)")
-    if all_gather:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+    if all_gather:  # the trainer calls it after each step of its own optimizer (never a process-wide hook)
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: precompute_float8_dynamic_scale_for_fsdp(model))
+        model.after_optimizer_step = functools.partial(precompute_float8_dynamic_scale_for_fsdp, model)
 
 
 register_converter("float8", float8_converter)

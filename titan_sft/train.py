@@ -38,7 +38,7 @@ from titan_sft.parallel.distributed import sum_gradients_over_tp
 from titan_sft.parallel.context_parallel import sequence_shard
 from titan_sft.parallel.pipeline_parallel import (build_pipelined_model, check_pipeline_parallel, stage_inputs,
                                                   startup_check_on_first_stage)
-from titan_sft.registry import converter_hook, get_train_spec
+from titan_sft.registry import converter_hook, get_converter, get_train_spec
 from titan_sft.startup_checks import StartupCheckError, check_document_isolation
 
 
@@ -107,10 +107,14 @@ class Trainer:
         self.model = model
 
         self.optimizer = spec.build_optimizer_fn(model, cfg.optimizer, cfg.training.global_batch_size)
+        # Work a converter asks for after every optimizer step (tensor-wise float8's scales), on this optimizer
+        # only: a process-wide hook would keep this model alive, and run, in the next trainer of the process.
+        for part in getattr(model, "stage_modules", [model]):
+            if callable(after := getattr(part, "after_optimizer_step", None)):
+                self.optimizer.register_step_post_hook(lambda opt, args, kwargs, after=after: after())
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, self.total_steps)
-        with torch.device("meta"):  # under pp a rank holds some layers: count the whole model's
-            counted = spec.model_cls(self.args) if self.pipelined else model
-        self.flops = FlopCounter.from_model(counted, self.args, self.seq_len, self.objective.causal)
+        self.flops = FlopCounter.from_model(flop_model(spec, self.args, cfg, model, self.pipelined), self.args,
+                                            self.seq_len, self.objective.causal)
         self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps, self.flops)
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
                               cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config,
@@ -342,6 +346,19 @@ class Trainer:
         self.loader.close()
         self.metrics.close()
         shutdown()
+
+
+def flop_model(spec, args, cfg: JobConfig, model: torch.nn.Module, pipelined: bool) -> torch.nn.Module:
+    """The model whose matmul weights the FLOP counter counts: ``model`` itself, or under pipeline parallel (a
+    rank holds some layers) the whole model on the meta device with the config's converters applied, so that
+    LoRA's frozen base counts 4 FLOPs per weight and its adapters count, as on one rank."""
+    if not pipelined:
+        return model
+    with torch.device("meta"):
+        whole = spec.model_cls(args)
+    for name in cfg.model.converters:
+        get_converter(name)(whole, cfg, torch.device("meta"))
+    return whole
 
 
 def parameter_audit(model: torch.nn.Module, pp_group=None) -> dict:

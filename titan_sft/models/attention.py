@@ -159,8 +159,6 @@ class AttentionBackend:
             dense = dense_document_mask(cu_seqlens, total, self.causal, rows=batch)
             return AttentionMask(self.causal, cu_seqlens, dense=additive_mask(dense, dtype))
         if self.backend == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
             seg = segment_ids(cu_seqlens, total).view(batch, seqlen)
             causal = self.causal
 
@@ -169,7 +167,7 @@ class AttentionBackend:
                 return (same & (q_idx >= kv_idx)) if causal else same
 
             rows = None if batch == 1 else batch
-            block = create_block_mask(mask_mod, B=rows, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=device)
+            block = block_mask_fn(device)(mask_mod, B=rows, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=device)
             return AttentionMask(self.causal, cu_seqlens, block_mask=block)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         return AttentionMask(self.causal, cu_seqlens, max_seqlen=max_seqlen)
@@ -233,6 +231,21 @@ def varlen_kwargs(causal: bool, params: set[str] | None = None) -> tuple[dict, b
 
 
 _COMPILED_FLEX = None
+_COMPILED_BLOCK_MASK = None
+
+
+def block_mask_fn(device: torch.device):
+    """``create_block_mask``, compiled once on GPU as torchtitan does: run eagerly it evaluates ``mask_mod`` on
+    every (query, key) pair of every row (at 32k, ~1G mask elements per forward) before it keeps the blocks; the
+    compiled form never materialises them. On CPU (the reference path, short rows) it runs eagerly."""
+    global _COMPILED_BLOCK_MASK
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if device.type != "cuda":
+        return create_block_mask
+    if _COMPILED_BLOCK_MASK is None:
+        _COMPILED_BLOCK_MASK = torch.compile(create_block_mask)
+    return _COMPILED_BLOCK_MASK
 
 
 def _flex_attention(cuda: bool):

@@ -125,12 +125,32 @@ def expert_matmul(counts: torch.Tensor, impl: str):
     return loop
 
 
+def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` grouped by expert (``counts`` per expert, in order) moved so that every group starts and ends
+    at a multiple of ``align`` rows, zero rows between: (padded rows, padded counts, where each row of ``x`` went).
+    The padded size is static, ``x``'s rows plus ``E * (align - 1)`` rounded up to ``align`` (the last group takes
+    the slack), so a compiled graph has no new data-dependent shape. float8 grouped GEMMs need aligned groups."""
+    m, e = x.shape[0], counts.shape[0]
+    total = -(-(m + e * (align - 1)) // align) * align
+    padded = (counts + align - 1) // align * align
+    padded = torch.cat([padded[:-1], padded[-1:] + (total - padded.sum())])
+    start, src_start = torch.cumsum(padded, 0) - padded, torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=m)
+    rows = torch.arange(m, device=x.device) - src_start[expert] + start[expert]
+    return x.new_zeros(total, x.shape[1]).index_copy(0, rows, x), padded, rows
+
+
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU experts, weights stacked [E, out, in] as nn.Linear stores each (w1 gate, w3 up, w2 down)."""
+    """n_experts SwiGLU experts, weights stacked [E, out, in] as nn.Linear stores each (w1 gate, w3 up, w2 down).
+
+    ``row_align``: the grouped GEMM's rows per expert are padded to a multiple of it (1: none; float8's grouped
+    GEMM sets 16, :func:`pad_groups`)."""
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int):
         super().__init__()
         self.n_experts = n_experts
+        self.row_align = 1
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
@@ -140,8 +160,12 @@ class GroupedExperts(nn.Module):
 
         Under expert parallel the weights are sharded by expert (DTensors): this rank computes with its own
         ``E / ep`` experts, and ``counts`` are theirs."""
+        rows = None
+        if impl == "grouped" and self.row_align > 1:
+            x, counts, rows = pad_groups(x, counts, self.row_align)
         mm = expert_matmul(counts, impl)
-        return self.project(F.silu(self.project(x, "w1", mm)) * self.project(x, "w3", mm), "w2", mm)
+        y = self.project(F.silu(self.project(x, "w1", mm)) * self.project(x, "w3", mm), "w2", mm)
+        return y if rows is None else y[rows]
 
     def project(self, x: torch.Tensor, name: str, mm) -> torch.Tensor:
         """Each expert's rows of ``x`` times that expert's ``name`` weight (transposed); a converter (LoRA on

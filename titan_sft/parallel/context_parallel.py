@@ -137,15 +137,15 @@ class ContextParallelAttention:
             if causal:
                 dense &= q_pos[:, None] >= k_pos[None, :]
             return AttentionMask(causal, cu_seqlens, dense=additive_mask(dense.unsqueeze(1), dtype))
-        from torch.nn.attention.flex_attention import create_block_mask
+        from titan_sft.models.attention import block_mask_fn
 
         def mask_mod(b, h, q_idx, kv_idx):
             q, k = q_pos[q_idx], k_pos[kv_idx]
             same = seg[b, q] == seg[b, k]
             return (same & (q >= k)) if causal else same
 
-        block = create_block_mask(mask_mod, B=None if batch == 1 else batch, H=None, Q_LEN=len(q_pos),
-                                  KV_LEN=total, device=device)
+        block = block_mask_fn(device)(mask_mod, B=None if batch == 1 else batch, H=None, Q_LEN=len(q_pos),
+                                      KV_LEN=total, device=device)
         return AttentionMask(causal, cu_seqlens, block_mask=block)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
