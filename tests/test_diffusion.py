@@ -406,6 +406,7 @@ SHORT = ["--training.steps", "4", "--validation.interval", "2", "--validation.ge
          "--training.per_device_batch", "4", "--checkpoint.interval", "2"]
 
 
+@pytest.mark.slow
 def test_world_size_invariance_and_bit_exact_resume(tmp_path):
     one = _train(tmp_path / "one", *SHORT)
     two = _train(tmp_path / "two", *SHORT, nproc=2)
@@ -427,6 +428,7 @@ def test_world_size_invariance_and_bit_exact_resume(tmp_path):
         [(r["loss"], r["grad_norm"], r["n_loss_tokens"]) for r in train1]
 
 
+@pytest.mark.slow
 def test_best_checkpoint_and_test_split(tmp_path):
     records = _train(tmp_path / "run", "--training.steps", "6", "--validation.interval", "2",
                      "--validation.generation_every", "0", "--training.per_device_batch", "8",
@@ -449,6 +451,7 @@ def test_best_checkpoint_and_test_split(tmp_path):
     assert json.loads((tmp_path / "run" / "objective.json").read_text())["mask_token_id"] == MASK
 
 
+@pytest.mark.slow
 def test_debug_diffusion_job_learns_and_generate_cli(tmp_path):
     """The shipped debug job reaches >= 80% exact match on its held-out prompts; generate runs on its outputs."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
