@@ -66,3 +66,62 @@ def test_gpu_check_rehearsal_runs_every_phase_and_writes_every_file(tmp_path):
     assert all(f"| {name} |" in table for name in records)
     assert re.search(r"\| 4b_bf16_compile_varlen_sac \| [\d,]+ \| \d+\.\d\dx 4b_bf16_compile_varlen \|", table)
     assert "done in" in (out / "gpu_check.log").read_text()
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "benchmarks/bench_gpu.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_cases_that_cannot_fit_are_skipped_with_one_line_and_goals_say_not_measured(tmp_path):
+    """The plan decides, against a stated free memory: on 79 GiB (an H100) Qwen3-4B without AC (107.6 GiB
+    planned) is skipped with one line and 4B with full AC (65.0 GiB) runs; with 20 GiB stated nothing fits, so
+    no goal case produces numbers: the summary says why for each and exits 1."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_gpu import goal_cases, memory_decision
+
+    fits, planned, why = memory_decision("4b_bf16_compile_varlen", 8192, 79.0)
+    assert not fits and round(planned, 1) == 107.6 and "\n" not in why
+    assert why == ("4b_bf16_compile_varlen: planned 107.6 GiB per GPU (weights, gradients and AdamW state 59.9, "
+                   "activations 47.6) exceeds 79.0 GiB free")
+    assert memory_decision("4b_bf16_compile_varlen_full_ac", 8192, 79.0)[0]
+    assert memory_decision("4b_bf16_compile_varlen", 8192, 139.0)[0]  # an H200 runs it
+    assert goal_cases(79.0)["mfu"] == ["1.7b_bf16_compile_varlen"]
+    assert goal_cases(139.0)["mfu"] == ["4b_bf16_compile_varlen"]
+
+    jsonl, table = tmp_path / "r.jsonl", tmp_path / "r.md"
+    out = ["--jsonl", str(jsonl), "--table", str(table), "--gpu-gib", "20"]
+    r = _bench("--cases", "1.7b_bf16_compile_varlen,1.7b_f8_rowwise_compile_varlen", *out)
+    assert r.returncode == 0, r.stdout + r.stderr  # skipped for memory is not a failure
+    assert r.stdout.count("skipped: 1.7b") == 2
+    records = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    assert [x["skipped"].split(":")[0] for x in records] == ["1.7b_bf16_compile_varlen", "1.7b_f8_rowwise_compile_varlen"]
+    assert "| 1.7b_bf16_compile_varlen | skipped: 1.7b_bf16_compile_varlen: planned 52.1 GiB" in table.read_text()
+    s = _bench("--summary", *out)
+    assert s.returncode == 1
+    assert "goal: 1.7b_bf16_compile_varlen MFU (FLOPs done) >= 45% on a 20 GiB GPU: not measured (skipped: " in s.stdout
+    assert "cases: 0 measured, 0 failed, 2 skipped for memory; goal cases not measured: 1.7b_bf16_compile_varlen, " \
+           "1.7b_f8_rowwise_compile_varlen" in s.stdout
+
+
+def test_summary_counts_failed_and_measured_cases_and_passes_only_on_goal_numbers(tmp_path):
+    """A failed case is counted as failed and is no goal number; with the goal cases measured the summary exits 0
+    and gives the float8 ratio."""
+    jsonl, table = tmp_path / "r.jsonl", tmp_path / "r.md"
+    rec = {"baseline": None, "note": "", "mfu": 50.0, "mfu_torchtitan": 40.0, "tflops": 400.0, "memory_gib": 50.0,
+           "memory_reserved_gib": 60.0}
+    lines = [{**rec, "case": "1.7b_bf16_compile_varlen", "tokens_per_s": 1000.0},
+             {"case": "1.7b_f8_rowwise_compile_varlen", "baseline": "1.7b_bf16_compile_varlen", "note": "",
+              "error": "RuntimeError: no kernel"}]
+    jsonl.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = ["--jsonl", str(jsonl), "--table", str(table), "--gpu-gib", "79"]
+    s = _bench("--summary", *out)
+    assert s.returncode == 1 and "cases: 1 measured, 1 failed, 0 skipped" in s.stdout
+    assert "MFU (FLOPs done) >= 45% on a 79 GiB GPU: 50.0% met" in s.stdout
+    assert "not measured (failed: RuntimeError: no kernel" in s.stdout
+    assert "| 50.0 / 60.0 |" in table.read_text()  # peak allocated / reserved
+    lines[1] = {**rec, "case": "1.7b_f8_rowwise_compile_varlen", "baseline": "1.7b_bf16_compile_varlen",
+                "tokens_per_s": 1300.0}
+    jsonl.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = _bench("--summary", *out)
+    assert s.returncode == 0 and "1.30x met" in s.stdout and "goal cases all measured" in s.stdout

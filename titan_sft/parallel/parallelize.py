@@ -131,8 +131,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     tensor, and the head's gradient is reduced with the root's at the end of backward. Under expert parallel
     (``experts_mesh``: the ranks holding the same experts) each block's experts are sharded over that mesh instead:
     their gradients are summed over it, never across the ep ranks that hold other experts. They stay in their
-    block's FSDP module (a second parameter group, FSDP2's per-parameter mesh), so no FSDP hook sits inside the
-    block and a compiled block has no graph break there. Under tp (``moe_mesh``) the routers, and the experts
+    block's FSDP module (a second parameter group, FSDP2's per-parameter mesh, torch >= 2.13), so no FSDP hook sits
+    inside the block and a compiled block has no graph break there; an older torch gets them as FSDP modules of
+    their own on the same meshes (same shards and gradient sums; no compile then, ``check_expert_parallel``).
+    Under tp (``moe_mesh``) the routers, and the experts
     without ep, are sharded over the data-parallel x tp ranks the same way: every tp rank trains them on its
     own tokens, and the reduce-scatter sums their gradients over tp.
     A pipeline stage is sharded the same way: keeping its blocks gathered between its microbatches' forwards and
