@@ -189,8 +189,10 @@ def test_masked_diffusion_pp2_cp2_matches_one_rank(tmp_path):
                 "adapters/final/initial_norms.safetensors", "hf/step-2/model.safetensors"):
         ours, ref = (load_file(str(tmp_path / d / sub)) for d in ("two", "one"))
         assert ours.keys() == ref.keys() and len(ref) > 16, sub
+        # AdamW's m / sqrt(v) turns the ~1e-7 differences of near-zero adapter gradients into update differences
+        # of up to a few 1e-5 at lr 3e-3 (measured 1.8e-5 after 3 steps, while losses agree to 1e-7)
         for k in ref:
-            assert torch.allclose(ours[k], ref[k], rtol=1e-4, atol=1e-5), (sub, k)
+            assert torch.allclose(ours[k], ref[k], rtol=1e-4, atol=5e-5), (sub, k)
     initial = load_file(str(tmp_path / "two/adapters/final/initial_norms.safetensors"))
     assert all(torch.equal(v, base[k]) for k, v in initial.items())  # kept before training, on both stages
     gen = [[r for r in recs if r["split"] == "generation"] for recs in (one, two)]

@@ -214,8 +214,10 @@ def high_precision_matmuls(model: nn.Module):
     for m in swapped:
         m.forward = types.MethodType(_high_precision_forward, m)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    for m in experts:
+    aligns = [m.row_align for m in experts]
+    for m in experts:  # the high-precision grouped GEMM needs no aligned groups: unpadded, as never converted
         m.weight = types.MethodType(_high_precision_expert_weight, m)
+        m.row_align = 1
     token = _FLOAT8_ON.set(False)
     try:
         yield
@@ -223,8 +225,9 @@ def high_precision_matmuls(model: nn.Module):
         _FLOAT8_ON.reset(token)
         for m in swapped:
             del m.forward
-        for m in experts:
+        for m, align in zip(experts, aligns):
             del m.weight
+            m.row_align = align
 
 
 def float8_converter(model: nn.Module, cfg: JobConfig, device: torch.device) -> None:

@@ -145,6 +145,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     experts_mesh = experts_mesh if experts_mesh is not None else moe_mesh
+    # One placement (one FSDPMeshInfo) per mesh for every block: FSDP2 requires the same object for a group.
+    on_mesh = {id(m): shard_on_mesh(m) for m in (moe_mesh, experts_mesh) if m is not None} if PER_PARAM_MESH else {}
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
         # The MoE's parameters on their own mesh: (module, mesh) for each router and expert group.
@@ -154,7 +156,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
         reshard = i < n - 1
         placement = None
         if own and PER_PARAM_MESH:
-            meshes = {p: shard_on_mesh(m_mesh) for m, m_mesh in own for p in m.parameters()}
+            meshes = {p: on_mesh[id(m_mesh)] for m, m_mesh in own for p in m.parameters()}
             placement = lambda p, meshes=meshes: meshes.get(p)  # noqa: E731
         elif own:
             # torch < 2.13: each router and expert group is an FSDP module of its own on its mesh (torchtitan's
