@@ -184,8 +184,7 @@ def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict
                                      f"{tuple(param.shape[1:])}")
             if isinstance(param, DTensor):
                 local = param.to_local()
-                shape, offset = local_shape_and_offset(param.shape, param.device_mesh,
-                                                                      param.placements)
+                shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
             else:
                 local, shape, offset = param, tuple(param.shape), (0,) * param.ndim
             if local.numel() == 0:

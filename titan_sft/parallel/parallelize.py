@@ -12,10 +12,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
 
-from titan_sft.compat import (PER_PARAM_MESH, PER_PARAM_MESH_TORCH, allow_unbacked_scalars, checkpoint_wrapper,
-                              flex_attention_op, shard_on_mesh)
+from titan_sft.compat import (PER_PARAM_MESH, allow_unbacked_scalars, checkpoint_wrapper, flex_attention_op,
+                              shard_on_mesh)
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
 from titan_sft.parallel.parallel_dims import moe_fsdp_meshes
