@@ -5,7 +5,8 @@
 #   titan_sft_nproc          processes per node: $NGPU, else GPUs of the SLURM allocation, else visible CUDA
 #                            GPUs, else 1 (CPU)
 #   titan_sft_torchrun RDZV_ARGS... -- CONFIG [OVERRIDES...]
-#                            torchrun running `python -m titan_sft.train` with the flags both paths need
+#                            torchrun (titan_sft.launch) running `python -m titan_sft.train` with the flags
+#                            both paths need
 # Environment knobs: NGPU, LOG_RANK (ranks whose output is shown, default 0), OMP_NUM_THREADS,
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds a stopping rank may take to save its checkpoint, default 600).
 
@@ -41,9 +42,11 @@ titan_sft_torchrun() {
   shift  # the --
   local config="$1"
   shift
+  # titan_sft.launch is torchrun with a check pass (config, layout, output folder) before any rank starts, and
+  # without torchrun's traceback after a rank's one-line error or a handled stop signal.
   # SIGUSR1 is forwarded to the ranks (a preemption or time-limit warning): they checkpoint at the next step
   # boundary and stop. Without it in the list torchrun would die on SIGUSR1 and leave the ranks unsaved.
-  exec torchrun "${rdzv[@]}" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  exec python -m titan_sft.launch "${rdzv[@]}" --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     --local-ranks-filter="${LOG_RANK:-0}" --role rank --tee 3 \
     -m titan_sft.train --config "$config" "$@"
 }

@@ -508,7 +508,10 @@ def test_lr_scaling_8bit_adamw_error_and_run_folder_suffix(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
     assert run_folder(str(run), "none") == f"{run}-1"
-    assert run_folder(str(run), "auto") == f"{run}-1"  # no checkpoint to resume from
+    assert run_folder(str(run), "auto") == str(run)  # its home: nothing to resume, so it starts over there
+    assert run_folder(str(run), "auto", checkpoint_enabled=False) == f"{run}-1"
+    (run / "checkpoints-best").mkdir()
+    assert run_folder(str(run), "auto") == f"{run}-1"  # a finished best_only run is kept
     (tmp_path / "run-1").mkdir()
     assert run_folder(str(run), "none") == f"{run}-2"
     ckpt = run / "checkpoints" / "step-3"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import shutil
 import time
 from contextlib import contextmanager
@@ -35,9 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_sft.atomic import finalize, partial_dir, rank
+from titan_sft.atomic import barrier, finalize, partial_dir, rank
 from titan_sft.config import JobConfig
 from titan_sft.log import logger
+from titan_sft.lr_schedule import resume_lr_scheduler
 from titan_sft.parallel.distributed import new_transient_group, release_group, transient_group
 
 
@@ -148,14 +150,41 @@ def read_meta(path: Path) -> dict | None:
 
 
 def find_checkpoints(dump_folder: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (completed step, path), newest first."""
+    """Complete checkpoints as (completed step, path), newest first (not those moved aside as damaged)."""
     root = Path(dump_folder)
     found = []
     for path in [*sorted((root / "checkpoints").glob("step-*")), root / "checkpoints-temp"]:
-        meta = read_meta(path) if path.is_dir() else None
+        meta = read_meta(path) if path.is_dir() and not path.name.endswith(DAMAGED) else None
         if meta is not None:
             found.append((int(meta["step"]), path))
     return sorted(found, key=lambda x: (x[0], x[1].name != "checkpoints-temp"), reverse=True)
+
+
+DAMAGED = ".damaged"
+
+
+def move_aside(path: Path) -> Path:
+    """Renames a checkpoint that failed to load to ``<name>.damaged`` (``.damaged-<n>`` if taken), so that it is
+    neither retried at the next start nor pruned; rank 0 renames, every rank returns the new path."""
+    aside = path.with_name(path.name + DAMAGED)
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}{DAMAGED}-{n}")
+        n += 1
+    barrier()  # every rank has given up on it before it moves
+    if rank() == 0:
+        path.rename(aside)
+    barrier()
+    return aside
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line`` of an exception; for DCP's collective CheckpointException, of the first rank's
+    failure (its message otherwise holds every rank's traceback)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -197,15 +226,23 @@ def run_folder(dump_folder: str, resume: str, checkpoint_enabled: bool = True) -
     """The run's output folder: ``dump_folder``, unless it holds an earlier run (a metrics.jsonl) that this run
     does not continue; then the first free ``<dump_folder>-<n>``, so an earlier run is never overwritten.
 
-    A run continues the one in ``dump_folder`` only when it resumes from a checkpoint of that folder: ``resume =
-    "auto"`` with a complete checkpoint there, or ``resume`` naming one inside it, and checkpoints enabled (with
-    ``checkpoint.enable = false`` nothing is resumed). Resuming another run's checkpoint starts a new folder."""
+    Under ``resume = "auto"`` (checkpoints enabled) ``dump_folder`` is the run's home: a start that finds a
+    complete checkpoint there resumes it, and one that finds none (killed before its first checkpoint was
+    complete) starts over in it; the records of the lost attempt are dropped when the run starts
+    (``MetricsLogger.start``). The exception is a folder holding ``checkpoints-best`` and nothing to resume (a
+    finished ``validation.best_only`` run): it is kept. ``resume`` naming a checkpoint inside ``dump_folder``
+    continues it too. Otherwise (``none``, another run's checkpoint, ``checkpoint.enable = false``) a folder with
+    records is an earlier run: a new suffixed folder. Stale ``*.partial`` directories of the folder are removed
+    when it is reused (call on rank 0 only)."""
     root = Path(dump_folder)
     if not (root / "metrics.jsonl").exists():
         return dump_folder
-    if checkpoint_enabled and resume == "auto" and find_checkpoints(root):
-        return dump_folder
-    if checkpoint_enabled and resume not in ("auto", "none") and Path(resume).resolve().is_relative_to(root.resolve()):
+    home = checkpoint_enabled and (
+        (resume == "auto" and (find_checkpoints(root) or not (root / "checkpoints-best").exists()))
+        or (resume not in ("auto", "none") and Path(resume).resolve().is_relative_to(root.resolve())))
+    if home:
+        for stale in [*root.glob("*.partial"), *root.glob("*/*.partial")]:
+            shutil.rmtree(stale, ignore_errors=True)
         return dump_folder
     n = 1
     while Path(f"{dump_folder}-{n}").exists():
@@ -240,6 +277,9 @@ class CheckpointManager:
         self._pending = None  # (future or None, tmp dir, final dir, meta, start time) of a save not yet renamed
         self._staging = None  # future: the pending async save's copy of the state is complete
         self._async_pg = self._stager = None  # the pending async save's own group and stager (see save())
+        # The lowest held-out loss so far (the one checkpoints-best holds); every checkpoint records it, so a
+        # resumed run compares with the best as of its checkpoint's step, for either objective.
+        self.best_loss = math.inf
 
     def _state(self, kind: str = "regular") -> dict[str, Any]:
         if kind == "best" and self.trainable is not None:
@@ -276,6 +316,7 @@ class CheckpointManager:
             "rng": gather_rng_states(),
             "config": self.run_config,
             "trainable_only": kind == "best" and self.trainable is not None,
+            "best_validation_loss": None if math.isinf(self.best_loss) else self.best_loss,
         }
         # Every save runs its collectives on a group of its own, released when the save is complete: a long-lived
         # gloo group slows every later CPU step (parallel/distributed.new_transient_group). It also keeps the
@@ -393,10 +434,35 @@ class CheckpointManager:
             dcp.load(state, checkpoint_id=str(path), process_group=pg)
         set_model_state_dict(self.model, with_aliases(self.model, state["model"]))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=OPTIM_OPTIONS)
-        self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        was, now = resume_lr_scheduler(self.lr_scheduler, meta["lr_scheduler"])
+        if not math.isclose(was, now, rel_tol=1e-9, abs_tol=1e-15):
+            logger.info(f"[resume] the learning-rate schedule differs from the checkpoint's (training.steps, "
+                        f"[lr_scheduler] or optimizer.lr changed): the next update uses lr {now:.4e} (the "
+                        f"checkpoint's schedule: {was:.4e})")
         self.sampler.load_state_dict(meta["sampler"])
         restore_rng_state(meta)
+        self.best_loss = self._best_as_of(meta)
         return int(meta["step"])
+
+    def _best_as_of(self, meta: dict) -> float:
+        """The best held-out loss when ``meta``'s checkpoint was written; for checkpoints older than that record,
+        checkpoints-best's loss if that one is not newer than the checkpoint."""
+        if "best_validation_loss" in meta:
+            best = meta["best_validation_loss"]
+            return math.inf if best is None else float(best)
+        best = read_meta(self.root / "checkpoints-best")
+        if best is None or "validation_loss" not in best or int(best["step"]) > int(meta["step"]):
+            return math.inf
+        return float(best["validation_loss"])
+
+    def keep_if_best(self, completed_steps: int, loss: float) -> bool:
+        """Saves ``checkpoints-best`` when the held-out ``loss`` is lower than every earlier one of the run
+        (:attr:`best_loss`, restored on resume); returns whether it did. Call on every rank."""
+        if not loss < self.best_loss:
+            return False
+        self.best_loss = loss
+        self.save(completed_steps, kind="best", extra_meta={"validation_loss": loss})
+        return True
 
     def load_weights(self, path: Path) -> int:
         """Restores only the model weights of ``path`` (e.g. the best checkpoint, for a final test evaluation);
@@ -424,7 +490,9 @@ class CheckpointManager:
             try:
                 return self.load(path)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: fall back to the next newest
-                logger.warning(f"[checkpoint] cannot resume from {path}: {e}; trying an older one")
+                aside = move_aside(path)
+                logger.warning(f"[checkpoint] cannot resume from {path}: {one_line(e)}; moved to {aside.name} "
+                               "(kept, not retried); trying an older one")
         return 0
 
     def maybe_export(self, completed_steps: int, total_steps: int) -> Path | None:

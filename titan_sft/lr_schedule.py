@@ -72,3 +72,20 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_st
     schedule = Schedule.from_config(cfg, total_steps)
     # A plain function: LambdaLR's state_dict skips functions (the schedule is rebuilt from config on resume).
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.multiplier(step))
+
+
+def resume_lr_scheduler(scheduler, state: dict) -> tuple[float, float]:
+    """Puts ``scheduler`` (built from the current config, after the optimizer state was loaded) at the position a
+    checkpoint's ``state`` (its ``state_dict()``) records, following the current config's schedule: a changed
+    ``training.steps``, ``lr_scheduler`` or ``optimizer.lr`` applies from the next update on, as it would have had
+    the run started with it. Returns (the checkpoint's lr, the current schedule's lr) of that next update."""
+    if not hasattr(scheduler, "lr_lambdas"):  # another registered scheduler: its own state as saved
+        scheduler.load_state_dict(state)
+        lr = scheduler.optimizer.param_groups[0]["lr"]
+        return lr, lr
+    old = scheduler.optimizer.param_groups[0]["lr"]  # the loaded optimizer state's, set by the old schedule
+    scheduler.last_epoch = state["last_epoch"]
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * fn(scheduler.last_epoch)
+    return old, scheduler.optimizer.param_groups[0]["lr"]

@@ -16,6 +16,7 @@ Two MFUs, both against the GPU's dense bf16 peak (recomputation under activation
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from titan_sft.atomic import atomic_write_text
 from titan_sft.config import JobConfig
 from titan_sft.log import logger
 
@@ -97,24 +99,45 @@ class MetricsLogger:
         self.start_step: int | None = None
         self._losses: list[float] = []  # train losses since the last logged record (the running loss)
         self.jsonl = self.tb = self.wandb = self.bar = None
+        self.job_cfg = job_cfg
         if rank != 0:
             return
         if cfg.progress_bar is True or (cfg.progress_bar == "auto" and sys.stderr.isatty()):
             self.bar = ProgressBar(total_steps)
         Path(dump_folder).mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(Path(dump_folder) / "metrics.jsonl", "a")
-        if cfg.enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(Path(dump_folder) / "tb"))
-            if job_cfg.job.description:
-                self.tb.add_text("description", job_cfg.job.description)
         if cfg.wandb_project:
             import wandb
 
             self.wandb = wandb.init(project=cfg.wandb_project, id=cfg.wandb_id or None, resume="allow",
                                     config=job_cfg.to_dict(), dir=dump_folder, notes=job_cfg.job.description or None,
                                     name=cfg.wandb_run_name or None)
+
+    def start(self, completed_steps: int) -> None:
+        """Opens the records of a run that continues after ``completed_steps`` (0: a fresh start).
+
+        Records of later steps are from an attempt whose progress was lost (a kill after the last checkpoint, a
+        damaged newest checkpoint): they are dropped from metrics.jsonl (rewritten through a ``*.partial``) and
+        purged from TensorBoard, so every consumer sees each step once, as the redone steps log it again.
+        """
+        if self.rank != 0:
+            return
+        folder = Path(self.job_cfg.job.dump_folder)
+        path = folder / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines(keepends=True)
+            kept = [line for line in lines if _record_step(line) <= completed_steps]
+            if len(kept) < len(lines):
+                atomic_write_text(path, "".join(kept))
+                logger.info(f"[resume] dropped {len(lines) - len(kept)} records past step {completed_steps} from "
+                            f"{path} (their steps run again)")
+        self.jsonl = open(path, "a")
+        if self.cfg.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides the events of the steps from there on that an earlier attempt wrote
+            self.tb = SummaryWriter(str(folder / "tb"), purge_step=completed_steps + 1)
+            if self.job_cfg.job.description and not completed_steps:
+                self.tb.add_text("description", self.job_cfg.job.description)
 
     def throughput(self, n_tokens: int, step_flops: float, seconds: float, world: int) -> dict:
         """Of one step, per device: ``tokens_per_s`` (input tokens), ``tflops`` (done, :class:`FlopCounter`),
@@ -219,6 +242,14 @@ class ProgressBar:
     def close(self) -> None:
         self.bar.close()
         self.redirect.__exit__(None, None, None)
+
+
+def _record_step(line: str) -> float:
+    """The step of one metrics.jsonl line; a torn last line (a kill mid-write) counts as past every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _flatten(tree: dict, prefix: str):

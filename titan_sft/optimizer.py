@@ -19,10 +19,16 @@ def is_decayed(name: str, param: nn.Parameter) -> bool:
 
 
 def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the trainable parameters that decay and that do not (:func:`is_decayed`).
+
+    A pipeline's last stage holds its own copy of a tied head (``model.tied_copies()``, named ``output.weight``):
+    it is the embedding, so it does not decay either; decaying one copy only would pull the two apart.
+    """
+    copies = {id(p) for p in getattr(model, "tied_copies", list)()}
     decay, no_decay = [], []
     for name, p in model.named_parameters():  # shared (tied) tensors are listed once
         if p.requires_grad:
-            (decay if is_decayed(name, p) else no_decay).append(name)
+            (decay if is_decayed(name, p) and id(p) not in copies else no_decay).append(name)
     return decay, no_decay
 
 

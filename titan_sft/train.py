@@ -130,6 +130,7 @@ class Trainer:
         self.step = self.checkpointer.resume()
         if self.step:
             logger.info(f"[resume] continuing after step {self.step} of {self.total_steps}")
+        self.metrics.start(self.step)
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def _converter_hooks(self, when: str) -> None:
@@ -388,11 +389,8 @@ def parameter_audit(model: torch.nn.Module, pp_group=None) -> dict:
     return {**totals, "by_module_type": dict(sorted(by_type.items()))}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(config_help())
-        return 0
+def parse_cli(argv: list[str]) -> tuple[str | None, bool, list[str]]:
+    """(``--config`` path, ``--dry-run`` given, the other arguments: the config overrides)."""
     config_path, dry = None, False
     rest = []
     i = 0
@@ -408,6 +406,26 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rest.append(argv[i])
         i += 1
+    return config_path, dry, rest
+
+
+def check_output_folder(folder: str) -> None:
+    """Creates ``job.dump_folder`` if needed; raises ConfigError (one line) when it cannot be created or written."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"config key 'job.dump_folder': cannot create {folder} ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"config key 'job.dump_folder': {folder} is not writable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(config_help())
+        return 0
+    config_path, dry, rest = parse_cli(argv)
     try:
         cfg = load_config(config_path, rest)
         for module in cfg.job.custom_imports:  # outside code registers its models, objectives, converters
@@ -417,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run(cfg))
             return 0
+        check_output_folder(cfg.job.dump_folder)
         trainer = Trainer(cfg)
     except (ConfigError, FileNotFoundError, ValueError, KeyError, ModuleNotFoundError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)

@@ -136,7 +136,6 @@ class HeldOutLoss(Validator):
         self.loss_group = dp_group if loss_group is None else loss_group
         self.interval, self.keep_best, self.best_source = v.interval, v.keep_best, v.best_source
         self.per_device, self.chunk = v.batch_size or cfg.training.per_device_batch, cfg.training.loss_chunk_size
-        self.best = float("inf")
 
     def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
         if not (step == total_steps or (self.interval and step % self.interval == 0)):
@@ -146,9 +145,7 @@ class HeldOutLoss(Validator):
             loss, n_tokens = self.evaluate(model, ds, ids)
             results.append((name, weight, {"loss": loss, "n_loss_tokens": n_tokens, "n_packs": len(ids)}))
         records, loss = validation_records(step, results, self.best_source)
-        if self.keep_best and loss < self.best:
-            self.best = loss
-            checkpointer.save(step, kind="best", extra_meta={"validation_loss": loss})
+        if self.keep_best and checkpointer.keep_if_best(step, loss):
             records[-1]["best"] = True
         return records
 

@@ -23,7 +23,6 @@ the padding after it):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,17 +317,7 @@ class DenoisingValidator(Validator):
         self.interval, self.keep_best = v.interval, v.keep_best and bool(self.validations)
         self.per_device = v.batch_size or cfg.training.per_device_batch
         self.max_packs = v.max_packs
-        self.best = None  # best validation loss so far (read back from checkpoints-best on resume)
         self.rounds = 0
-
-    def _best_so_far(self) -> float:
-        if self.best is None:
-            meta = Path(self.cfg.job.dump_folder) / "checkpoints-best" / "meta.json"
-            try:
-                self.best = float(json.loads(meta.read_text())["validation_loss"])
-            except (OSError, ValueError, KeyError):
-                self.best = math.inf
-        return self.best
 
     def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
         last = step == total_steps
@@ -338,9 +327,7 @@ class DenoisingValidator(Validator):
                        for name, ds, weight in self.validations]
             recs, loss = validation_records(step, results, self.best_source)
             self.rounds += 1
-            if self.keep_best and loss < self._best_so_far():
-                self.best = loss
-                checkpointer.save(step, kind="best", extra_meta={"validation_loss": loss})
+            if self.keep_best and checkpointer.keep_if_best(step, loss):
                 recs[-1]["best"] = True
             records.extend(recs)
         if last and self.test is not None:
