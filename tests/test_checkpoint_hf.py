@@ -132,10 +132,22 @@ def test_auto_resume_skips_partial_and_damaged(tmp_path):
     meta = json.loads((dump / "checkpoints" / "step-9" / "meta.json").read_text())
     (dump / "checkpoints" / "step-9" / "meta.json").write_text(json.dumps({**meta, "step": 10}))
     (dump / "checkpoints" / "step-9" / ".metadata").write_bytes(b"\x00garbage")
-    resumed = run(1, dump, "--training.steps", "6", "--checkpoint.interval", "2")
+    # and a complete-looking one (newer still) whose tensor data was cut short
+    shutil.copytree(dump / "checkpoints-temp", dump / "checkpoints" / "step-10")
+    (dump / "checkpoints" / "step-10" / "meta.json").write_text(json.dumps({**meta, "step": 11}))
+    for f in (dump / "checkpoints" / "step-10").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:100])
+    log = tmp_path / "log.txt"
+    resumed = run(1, dump, "--training.steps", "6", "--checkpoint.interval", "2", log=log)
     straight = run(1, tmp_path / "straight", "--training.steps", "6", "--checkpoint.interval", "2")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in straight[4:]]
+    # one line each, and moved aside: neither retried at the next start nor deleted
+    lines = [x for x in log.read_text().splitlines() if "cannot resume from" in x]
+    assert len(lines) == 2 and "step-10.damaged" in lines[0] and "step-9.damaged" in lines[1], lines
+    assert "Traceback" not in log.read_text()
+    names = sorted(p.name for p in (dump / "checkpoints").iterdir())
+    assert names == ["step-10.damaged", "step-2", "step-4", "step-5", "step-9.damaged"], names
 
 
 def test_checkpoint_writes_a_tied_head_once_and_no_crc(tmp_path, monkeypatch):

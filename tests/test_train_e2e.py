@@ -21,13 +21,17 @@ BASE = [
 ]
 
 
-def run(nproc, dump, *overrides):
+def run(nproc, dump, *overrides, log=None):
+    """The debug job with ``BASE`` and ``overrides`` on ``nproc`` ranks; its metrics.jsonl records (the output
+    written to ``log`` when given)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "titan_sft.train", "--config", "train_configs/debug_model.toml", *BASE,
            "--job.dump_folder", str(dump), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if log is not None:
+        Path(log).write_text(proc.stdout + proc.stderr)
     return [json.loads(l) for l in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import shutil
 import time
@@ -185,6 +186,19 @@ def one_line(e: BaseException) -> str:
         e = next(iter(e.failures.values()))[0]
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+@contextmanager
+def _quiet_root_logger():
+    """DCP's loader logs a damaged checkpoint's tracebacks on the root logger before it raises; the caller reports
+    the failure in one line (:func:`one_line`), so those records are dropped while it loads."""
+    root = logging.getLogger()
+    drop = logging.Filter("-")  # matches no logger name: drops every record logged on the root logger itself
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -430,7 +444,7 @@ class CheckpointManager:
             self.load_weights(path)
             return 0
         state = self._state()
-        with transient_group() as pg:  # see save()
+        with transient_group() as pg, _quiet_root_logger():  # see save()
             dcp.load(state, checkpoint_id=str(path), process_group=pg)
         set_model_state_dict(self.model, with_aliases(self.model, state["model"]))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=OPTIM_OPTIONS)
