@@ -93,3 +93,26 @@ def test_prepare_keeps_tool_conversations(tmp_path):
     ds = PackedDataset(tmp_path / "out")
     tokens, amask, _ = ds[0]
     assert amask.sum() > 0
+
+
+def test_prepare_diffusion_answers_tool_calls_and_renders_the_tools(qwen):
+    """Masked diffusion's examples of an agent row: each assistant turn is an answer, tool-call turns (empty
+    content) included, not skipped as empty; prompt + answer are the template's rendering of the conversation up
+    to that turn with the row's tools, as prepare renders it."""
+    import numpy as np
+
+    from titan_sft.data.prepare_diffusion import ExampleEncoder, examples_from_row
+
+    tok, _ = qwen
+    row = json.loads(json.dumps(AGENT))
+    pairs = examples_from_row(row, np.random.default_rng(0), -1, 1.0)
+    assert len(pairs) == 3
+    enc = ExampleEncoder(tok, None)
+    for (prompt, answer), k in zip(pairs, (2, 5, 7)):
+        prompt_ids, answer_ids = enc(prompt, answer)
+        messages = [dict(m, content=m["content"] or "") for m in AGENT["messages"][: k + 1]]
+        whole = tok.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=True)["input_ids"]
+        ids = [*prompt_ids.tolist(), *answer_ids.tolist()]
+        assert ids == list(whole[: len(ids)]) and len(whole) - len(ids) == 1  # all but the template's last "\n"
+        assert tok.decode(answer_ids).endswith("<|im_end|>")
+    assert "<tool_call>" in tok.decode(enc(*pairs[2])[1]) and "get_weather" in tok.decode(enc(*pairs[0])[0])

@@ -118,7 +118,8 @@ def from_hf(hf: str, out: str, model_name: str | None = None, flavor: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_sft.convert", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.convert", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("to-hf", help="DCP checkpoint -> HF safetensors directory")
     a.add_argument("--checkpoint", required=True)

@@ -37,8 +37,23 @@ def download(repo_id: str, to: str | Path, revision: str | None = None) -> Path:
     return out
 
 
+def _one_line(e: Exception, repo_id: str) -> str:
+    """What went wrong, in one line: an unreachable hub (with what to do offline), else the error's first line."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if isinstance(e, LocalEntryNotFoundError):  # no connection, and the model is not in the local cache
+        cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+        return (f"the Hugging Face hub cannot be reached{cause} and {repo_id} is not in the local cache. Offline: "
+                f"copy a model directory (config.json, tokenizer, *.safetensors) to this machine and set "
+                f"model.hf_assets_path to it, or fill the cache where the hub is reachable (huggingface-cli "
+                f"download {repo_id}) and copy it to $HF_HOME with HF_HUB_OFFLINE=1 set here")
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_sft.download", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.download", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("repo_id", help="hub id, e.g. Qwen/Qwen3-8B")
     ap.add_argument("--to", required=True, help="directory to create")
     ap.add_argument("--revision", default=None)
@@ -46,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = download(a.repo_id, a.to, a.revision)
     except Exception as e:  # noqa: BLE001 - network, auth or disk: one line for the user
-        print(f"download: error: {e}", file=sys.stderr)
+        print(f"download: error: {_one_line(e, a.repo_id)}", file=sys.stderr)
         return 2
     print(f"download: wrote {path}", file=sys.stderr)
     return 0

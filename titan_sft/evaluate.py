@@ -79,7 +79,8 @@ def run_lm_eval(hf_dir: str | Path, tasks: list[str], backend: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_sft.evaluate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", required=True, help="HF directory (e.g. <dump_folder>/hf/step-<L>)")
     ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     ap.add_argument("--backend", choices=["vllm", "hf"], default=None, help="default: vllm on a GPU with vLLM, else hf")

@@ -81,7 +81,8 @@ def load_model(path: str, base: str | None = None, dtype: torch.dtype = torch.fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_sft.generate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint, HF export or adapter directory")
     ap.add_argument("--base", default=None, help="base HF directory of an adapter (default: its config's)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")

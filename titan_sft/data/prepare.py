@@ -456,7 +456,8 @@ def _prepare_into(tmp, sources, max_rows, encoder, seq_len, packing, overlength,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True,
                     help=".jsonl(.gz) files or directories of them; parquet/arrow/json files or directories, a saved "
                          "dataset or a hub id in the datasets cache, each optionally SPEC@SPLIT (train[:8], "

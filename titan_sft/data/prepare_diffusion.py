@@ -33,7 +33,7 @@ from typing import Iterator
 import numpy as np
 
 from titan_sft.data import cache
-from titan_sft.data.chat import ROLES, encoder_for, load_tokenizer, tokenizer_sha256
+from titan_sft.data.chat import ROLES, Conversation, _check_tool_calls, encoder_for, load_tokenizer, tokenizer_sha256
 from titan_sft.data.prepare import BATCH_LINES, FORMAT_VERSION, PrepareError, _batches, open_input, pack_greedy
 from titan_sft.data.sources import iter_rows
 
@@ -60,16 +60,23 @@ def examples_from_row(row, rng: np.random.Generator, max_history: int, history_p
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise ValueError("'messages' must be a non-empty list")
-        for m in msgs:
+        tools = row.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError("'tools' must be a list of function schemas (objects)")
+        for i, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise ValueError(f"every message needs a role among {', '.join(ROLES)}")
+            if m["role"] == "assistant" and m.get("tool_calls") is not None:
+                _check_tool_calls(i, m["tool_calls"])  # as prepare: a tool call is an answer, content may be empty
+                if m.get("content") is None:
+                    m["content"] = ""
             _text(m.get("content"), "content")
         turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
         if not turns:
             raise ValueError("no assistant turn")
         out = []
         for k in turns:
-            if not _text(msgs[k].get("content"), "content").strip():
+            if is_empty_answer(msgs[k]):
                 continue  # counted by the caller when the row yields nothing
             system = [m for m in msgs[:k] if m["role"] == "system"]
             history = [m for m in msgs[:k] if m["role"] != "system"]
@@ -83,7 +90,9 @@ def examples_from_row(row, rng: np.random.Generator, max_history: int, history_p
                 earlier = []
             elif max_history >= 0:
                 earlier = earlier[-2 * max_history:] if max_history else []
-            out.append((system + earlier + current, msgs[k]))
+            prompt = Conversation(system + earlier + current)
+            prompt.tools = tools or None  # the schemas the template renders into the system turn
+            out.append((prompt, msgs[k]))
         if not out:
             raise SkipRow("every assistant turn is empty")
         return out
@@ -98,6 +107,12 @@ def examples_from_row(row, rng: np.random.Generator, max_history: int, history_p
         user = instruction + (f"\n\n{extra}" if extra.strip() else "")
         return [([{"role": "user", "content": user}], {"role": "assistant", "content": answer})]
     raise ValueError("a row needs 'messages' or 'instruction' + 'output'")
+
+
+def is_empty_answer(message: dict) -> bool:
+    """An assistant turn with nothing to learn: no content, no reasoning and no tool call."""
+    return not (str(message.get("content") or "").strip() or str(message.get("reasoning_content") or "").strip()
+                or message.get("tool_calls"))
 
 
 @dataclass
@@ -119,7 +134,9 @@ class ExampleEncoder:
         self.eot = tokenizer.eos_token_id
 
     def __call__(self, prompt: list, answer: dict) -> tuple[np.ndarray, np.ndarray]:
-        ids, mask = self.encoder.encode([prompt + [answer]])[0]
+        conversation = Conversation([*prompt, answer])
+        conversation.tools = getattr(prompt, "tools", None)
+        ids, mask = self.encoder.encode([conversation])[0]
         on = np.flatnonzero(mask)
         # The answer is the last assistant span (earlier ones belong to the prompt's history), cut after its
         # end-of-turn token (the template's trailing newline is not part of what the model generates).
@@ -153,7 +170,7 @@ def _encode_rows(batch: list[tuple[int, int, str]]) -> list[tuple]:
             out.append(("bad", f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)))
             continue
         empty = sum(1 for m in row.get("messages", []) if isinstance(m, dict)
-                    and m.get("role") == "assistant" and not str(m.get("content") or "").strip())
+                    and m.get("role") == "assistant" and is_empty_answer(m))
         out.append(("ok", encoded, empty))
     return out
 
@@ -352,7 +369,8 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare_diffusion", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m titan_sft.data.prepare_diffusion", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True,
                     help="training rows: .jsonl(.gz) files or directories; parquet/arrow/json files or directories, a "
                          "saved dataset or a hub id in the datasets cache, each optionally SPEC@SPLIT (train[:8])")
