@@ -95,13 +95,20 @@ def test_vllm_rules_for_adapters(tmp_path):
 
 @pytest.mark.slow
 def test_parameter_audit_counts_trainable_and_frozen_by_module_type(run):
+    """Counted from the debug base's shapes (dim 128, 4 query and 2 key/value heads of 32, MLP 384, 4 layers, a
+    512-token tied embedding) and the config's LoRA (rank 16 on all seven projections, trained norms)."""
     audit = json.loads((run / "parameter_audit.json").read_text())
-    lora = audit["by_module_type"]["LoRALinear"]
-    cfg_rank, dim, layers = 16, 128, 4
-    assert audit["trainable"] == sum(e["trainable"] for e in audit["by_module_type"].values())
-    assert lora["trainable"] > 0 and lora["frozen"] > 0 and audit["by_module_type"]["Embedding"]["trainable"] == 0
-    assert audit["by_module_type"]["RMSNorm"]["frozen"] == 0  # train_norms
-    assert cfg_rank * dim * 2 * layers <= lora["trainable"]
+    r, dim, q, kv, ffn, layers, vocab = 16, 128, 4 * 32, 2 * 32, 384, 4, 512
+    projections = [(dim, q), (dim, kv), (dim, kv), (q, dim), (dim, ffn), (dim, ffn), (ffn, dim)]  # (in, out)
+    adapters = layers * sum(r * (i + o) for i, o in projections)  # A: r x in, B: out x r
+    base = layers * sum(i * o for i, o in projections)
+    norms = layers * (2 * dim + 2 * 32) + dim  # input/post-attention norms, q/k norms; the final norm
+    assert audit["by_module_type"] == {
+        "Embedding": {"trainable": 0, "frozen": vocab * dim},  # the tied head counts once, here
+        "LoRALinear": {"trainable": adapters, "frozen": base},
+        "RMSNorm": {"trainable": norms, "frozen": 0},
+    }, audit["by_module_type"]
+    assert (audit["trainable"], audit["frozen"]) == (adapters + norms, base + vocab * dim) == (157056, 851968)
 
 
 @pytest.mark.slow

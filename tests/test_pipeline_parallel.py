@@ -199,14 +199,28 @@ def test_masked_diffusion_pp2_cp2_matches_one_rank(tmp_path):
             assert close(a[key], b[key], 1e-5), (key, a, b)
         assert a["n_masked"] == b["n_masked"] > 0 and a.get("weights") == b.get("weights")
     base = load_file(str(ROOT / "titan_sft/assets/debug_base/model.safetensors"))
-    for sub in ("adapters/final/adapter_model.safetensors", "adapters/best/adapter_model.safetensors",
-                "adapters/final/initial_norms.safetensors", "hf/step-2/model.safetensors"):
-        ours, ref = (load_file(str(tmp_path / d / sub)) for d in ("two", "one"))
+    # What is stable across CPUs is compared: the update each layout made, not single adapter elements. In the
+    # first AdamW steps m / sqrt(v) of an element whose gradient is near zero (lora_B starts at zero, so the
+    # adapters' early gradients are small) turns summation-order noise (~1e-7 relative) into differences of a
+    # sizeable part of that element (measured: 1.8e-5 on entries of ~6e-3 here; a larger one on another x86 CPU
+    # failed an element-wise atol of 1e-5). The merged update scale * B @ A, what the model computes, sums 16
+    # rank components per entry and moves far less: measured 4.8e-5 relative to its size, asserted 1e-3 (20x).
+    for sub in ("adapters/final", "adapters/best"):
+        ours, ref = (load_file(str(tmp_path / d / sub / "adapter_model.safetensors")) for d in ("two", "one"))
         assert ours.keys() == ref.keys() and len(ref) > 16, sub
-        # AdamW's m / sqrt(v) turns the ~1e-7 differences of near-zero adapter gradients into update differences
-        # of up to a few 1e-5 at lr 3e-3 (measured 1.8e-5 after 3 steps, while losses agree to 1e-7)
-        for k in ref:
-            assert torch.allclose(ours[k], ref[k], rtol=1e-4, atol=5e-5), (sub, k)
+        for k in [k for k in ref if "lora_A" in k]:
+            b = k.replace("lora_A", "lora_B")
+            delta_ours, delta_ref = ours[b] @ ours[k], ref[b] @ ref[k]  # the scale is common to both
+            assert delta_ref.norm() > 0 and (delta_ours - delta_ref).norm() <= 1e-3 * delta_ref.norm(), (sub, k)
+        for k in [k for k in ref if "lora_" not in k]:  # trained norms
+            assert torch.allclose(ours[k], ref[k], rtol=1e-5, atol=1e-7), (sub, k)
+    ours, ref = (load_file(str(tmp_path / d / "hf/step-2/model.safetensors")) for d in ("two", "one"))
+    assert ours.keys() == ref.keys()
+    for k in ref:  # base + merged update (measured 4.8e-5 of the update), and norms
+        update = (ref[k] - base[k]).norm()
+        assert (ours[k] - ref[k]).norm() <= 1e-3 * update + 1e-7 * ref[k].norm(), (k, (ours[k] - ref[k]).norm(), update)
+    ours, ref = (load_file(str(tmp_path / d / "adapters/final/initial_norms.safetensors")) for d in ("two", "one"))
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
     initial = load_file(str(tmp_path / "two/adapters/final/initial_norms.safetensors"))
     assert all(torch.equal(v, base[k]) for k, v in initial.items())  # kept before training, on both stages
     gen = [[r for r in recs if r["split"] == "generation"] for recs in (one, two)]

@@ -21,23 +21,32 @@ from titan_sft.objectives.causal_lm import group_weights
 DEBUG_DATA = "titan_sft/assets/debug_data/packed"
 
 
-def reference_multiplier(s, T, warmup, decay, a, shape):
-    """recipe.md item 3, written out independently."""
-    w = int(warmup * T) if warmup <= 1 else int(warmup)
-    w = min(w, T)
-    d = int(decay * T) if decay <= 1 else int(decay)
-    d = min(d, T - w)
-    stable = T - w - d
-    if s < w:
-        return s / w
-    if s < w + stable or d == 0:
-        return 1.0
-    t = min(s - w - stable, d)
-    if shape == "cosine":
-        return (1 - a) * 0.5 * (1 + math.cos(math.pi * t / d)) + a
-    if shape == "linear":
-        return 1 + (a - 1) * t / d
-    return 1.0
+def reference_schedule(T, warmup, decay, a, shape):
+    """The multipliers of all T updates as the recipe's text describes the schedule: three phases laid end to end
+    (warmup ramp from 0, a flat stretch, the decay curve from 1 towards a), each phase's length from the rule "a
+    value <= 1 is a fraction of T (rounded down), a larger one a step count; warmup at most T, decay at most what
+    warmup leaves"."""
+    def length(v, cap):
+        return min(math.floor(v * T) if v <= 1 else round(v), cap)
+
+    n_warm = length(warmup, T)
+    n_decay = length(decay, T - n_warm)
+    ramp = [k / n_warm for k in range(n_warm)]
+    curve = {"cosine": lambda x: a + (1 - a) * (1 + math.cos(math.pi * x)) / 2,  # x: fraction of the decay done
+             "linear": lambda x: 1 - (1 - a) * x, "constant": lambda x: 1.0}[shape]
+    fall = [curve(k / n_decay) for k in range(n_decay)]
+    return ramp + [1.0] * (T - n_warm - n_decay) + fall
+
+
+def test_the_recipe_schedule_at_hand_computed_steps():
+    """Qwen3-8B's numbers from the recipe table (T 2000, warmup 0.05, decay 0.9, min_lr_ratio 0.1, cosine): 100
+    warmup steps, 100 flat, 1800 of decay; values worked out by hand."""
+    sched = Schedule.from_config(LRScheduler(warmup=0.05, decay=0.9, min_lr_ratio=0.1, decay_type="cosine"), 2000)
+    expect = {0: 0.0, 1: 0.01, 50: 0.5, 99: 0.99, 100: 1.0, 199: 1.0, 200: 1.0,
+              1100: 0.55,  # half-way through the decay: cos(pi / 2) = 0, so 0.1 + 0.9 / 2
+              1999: 0.1 + 0.45 * (1 + math.cos(math.pi * 1799 / 1800))}
+    for step, value in expect.items():
+        assert sched.multiplier(step) == pytest.approx(value, abs=1e-12), step
 
 
 @pytest.mark.parametrize("T,warmup,decay,a,shape", [
@@ -53,8 +62,10 @@ def test_lr_matches_recipe_every_step(T, warmup, decay, a, shape):
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([p], lr=2.0)
     sched = build_lr_scheduler(opt, LRScheduler(warmup=warmup, decay=decay, min_lr_ratio=a, decay_type=shape), T)
+    reference = reference_schedule(T, warmup, decay, a, shape)
+    assert len(reference) == T
     for s in range(T):
-        assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * reference_multiplier(s, T, warmup, decay, a, shape), abs=1e-12)
+        assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * reference[s], abs=1e-12)
         opt.step()
         sched.step()
     if warmup > 0:
