@@ -199,3 +199,42 @@ def test_a_kill_during_the_first_save_keeps_the_run_in_its_folder(tmp_path):
     for attempt in killed:
         assert [r["step"] for r in attempt] == [1, 2, 3]
         assert [r["loss"] for r in attempt] == [r["loss"] for r in records[:3]]
+
+
+def test_the_causal_head_runs_at_target_positions_only_with_the_same_loss_and_gradients():
+    """The causal objective applies the head and the cross-entropy at the positions with a target only
+    (``Microbatch.rows``): loss and every gradient equal the head over all positions (weight 0 where there is no
+    target) within 1e-6 (fp32, the debug model and data: 4 packs, 2 loss groups, chunks of 100 positions), and the
+    FLOP count takes the head at those positions."""
+    from titan_sft.data.dataset import PackedDataset
+    from titan_sft.loss import chunked_cross_entropy_sum
+    from titan_sft.models import build_model
+    from titan_sft.models.qwen3 import QWEN3_FLAVORS
+    from titan_sft.objectives.causal_lm import CausalLM, group_weights
+
+    cfg = load_config(None, ["--training.loss_groups", "2", "--training.loss_chunk_size", "100"])
+    objective = CausalLM(cfg)
+    ds = PackedDataset(ROOT / "titan_sft/assets/debug_data/packed")
+    mb = objective.collate([ds[i] for i in range(4)], [0, 0, 1, 1])
+    counts = torch.stack([(mb.labels[g * 2 : g * 2 + 2] != -100).sum() for g in range(2)]).double()
+    objective.counts = counts
+    assert 0 < mb.n_loss_tokens == len(mb.rows) < mb.input_ids.numel() / 2  # the debug data: ~40% are targets
+    assert objective.head_positions(mb) == mb.n_loss_tokens
+
+    def grads(loss_fn):
+        torch.manual_seed(0)
+        model = build_model(QWEN3_FLAVORS["debug"], device="cpu")
+        model.init_weights()
+        loss = loss_fn(model)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    def every_position(model):
+        hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
+        weights = group_weights(mb.labels, mb.groups, counts, 2)
+        return chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, 100, weights)
+
+    (ours, g_ours), (ref, g_ref) = grads(lambda m: objective.loss(m, mb)), grads(every_position)
+    assert abs(ours - ref) <= 1e-6 * abs(ref)
+    for name, g in g_ref.items():
+        assert (g_ours[name] - g).norm() <= 1e-6 * g.norm(), name

@@ -29,24 +29,33 @@ class Microbatch:
     groups: torch.Tensor  # [P, L] long, loss group per position
     max_seqlen: int
     n_loss_tokens: int
+    # [n] long: flat positions (p * L + i) that carry a target, where the output head runs; made on the host with
+    # the labels, so the device never has to report how many there are
+    rows: torch.Tensor
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Microbatch":
         move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Microbatch(move(self.input_ids), move(self.labels), move(self.positions), move(self.cu_seqlens),
-                          move(self.groups), self.max_seqlen, self.n_loss_tokens)
+                          move(self.groups), self.max_seqlen, self.n_loss_tokens, move(self.rows))
 
     def shard(self, cp) -> "Microbatch":
         """This context-parallel rank's part of the rows (``cp``: a ``SequenceShard``): every per-position field
         sliced alike (labels were shifted in the whole row, so a part's last target is the next part's first
         token); ``cu_seqlens`` stays the whole rows' (attention sees them whole)."""
         labels = cp.rows(self.labels)
+        rows = target_rows(labels)
         return Microbatch(cp.rows(self.input_ids), labels, cp.rows(self.positions), self.cu_seqlens,
-                          cp.rows(self.groups), self.max_seqlen, int((labels != IGNORE_INDEX).sum()))
+                          cp.rows(self.groups), self.max_seqlen, len(rows), rows)
 
     def pin_memory(self) -> "Microbatch":
         pin = lambda t: t.pin_memory()  # noqa: E731
         return Microbatch(pin(self.input_ids), pin(self.labels), pin(self.positions), pin(self.cu_seqlens),
-                          pin(self.groups), self.max_seqlen, self.n_loss_tokens)
+                          pin(self.groups), self.max_seqlen, self.n_loss_tokens, pin(self.rows))
+
+
+def target_rows(labels: torch.Tensor) -> torch.Tensor:
+    """Flat positions of ``labels`` [P, L] that carry a target (long [n], ascending)."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 def shifted_labels(tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -77,6 +86,7 @@ def collate(packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], groups: list
     cu = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int32)
     labels_np = np.concatenate(labels)
     rows = len(packs)
+    targets = np.flatnonzero(labels_np != IGNORE_INDEX)
     return Microbatch(
         input_ids=torch.from_numpy(np.concatenate(ids)).view(rows, -1),
         labels=torch.from_numpy(labels_np).view(rows, -1),
@@ -84,5 +94,6 @@ def collate(packs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], groups: list
         cu_seqlens=torch.from_numpy(cu),
         groups=torch.from_numpy(np.concatenate(grp)).view(rows, -1),
         max_seqlen=int(max(seg_lens)),
-        n_loss_tokens=int((labels_np != IGNORE_INDEX).sum()),
+        n_loss_tokens=len(targets),
+        rows=torch.from_numpy(targets.astype(np.int64)),
     )

@@ -7,11 +7,14 @@
   N_group all-reduced over ranks, so summing the weighted CE over all microbatches and ranks gives exactly that
   number, and its gradient, whatever the number of ranks or microbatches (gradients are summed across ranks:
   FSDP's divide factor is 1, item 10);
-* the output head is applied here, ``training.loss_chunk_size`` tokens at a time with the gradient computed in
-  place (``titan_sft.loss``), so [tokens, vocab] logits never exist at once.
+* the output head is applied here, at the positions that carry a target only (``Microbatch.rows``), and
+  ``training.loss_chunk_size`` of them at a time with the gradient computed in place (``titan_sft.loss``), so
+  [tokens, vocab] logits never exist at once.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -19,7 +22,7 @@ import torch.distributed as dist
 
 from titan_sft.config import JobConfig
 from titan_sft.constants import IGNORE_INDEX
-from titan_sft.data.collator import Microbatch, collate
+from titan_sft.data.collator import Microbatch, collate, target_rows
 from titan_sft.log import logger
 from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.objectives import (BatchError, Objective, Validator, Validators, forward_hidden, sum_over_stages,
@@ -80,13 +83,19 @@ class CausalLM(Objective):
             return why
         return None
 
+    def head_positions(self, mb: Microbatch) -> int:
+        return mb.n_loss_tokens  # the head runs where a target is, only
+
     def loss(self, model: torch.nn.Module, mb: Microbatch) -> torch.Tensor:
         mb = self.local(mb)
         hidden = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, positions=mb.positions, hidden_only=True)
-        weights = group_weights(mb.labels, mb.groups, self.counts, self.n_groups)
+        labels, groups = (x.reshape(-1).index_select(0, mb.rows) for x in (mb.labels, mb.groups))
+        weights = group_weights(labels, groups, self.counts, self.n_groups)
+        # The head and the cross-entropy run at the positions with a target only (chat SFT supervises the
+        # assistant turns: about 40% of the debug data's tokens); the others would contribute weight 0.
         # model.output.weight is the unsharded head here (FSDP does not reshard the root after forward); under
         # tensor parallel it is vocab-sharded and the loss runs on vocab slices (loss parallel).
-        loss = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk, weights,
+        loss = chunked_cross_entropy_sum(hidden, model.output.weight, labels, self.chunk, weights, rows=mb.rows,
                                          compiled=self.compile_loss)
         return self.router_loss(model, loss)
 
@@ -164,15 +173,17 @@ class HeldOutLoss(Validator):
                 for row, j in enumerate(picks):
                     if j >= len(mine):  # padding forward: same shapes, no loss
                         mb.labels[row] = IGNORE_INDEX
+                mb = dataclasses.replace(mb, rows=target_rows(mb.labels))
                 yield (self.local(mb).to(device),)
 
         sums = comm.zeros(2)
         for (mb,), hidden in forward_hidden(model, batches()):
             if hidden is None:  # an earlier pipeline stage
                 continue
-            total = chunked_cross_entropy_sum(hidden, model.output.weight, mb.labels, self.chunk)
+            labels = mb.labels.reshape(-1).index_select(0, mb.rows)
+            total = chunked_cross_entropy_sum(hidden, model.output.weight, labels, self.chunk, rows=mb.rows)
             sums[0] += total.double()
-            sums[1] += (mb.labels != IGNORE_INDEX).sum()
+            sums[1] += len(mb.rows)
         sums = sum_over_stages(model, sums, "held-out loss over pipeline stages")
         loss_sum, n = comm.all_reduce(sums, group=self.loss_group, what="held-out loss").tolist()
         return loss_sum / max(n, 1.0), int(n)
