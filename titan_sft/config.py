@@ -2,7 +2,7 @@
 
 Every key lives in a dataclass below, so an unknown section or key, a value of the wrong type, or an
 impossible combination is caught here, before any work, with one line that names the key. The names of
-``shared/spec/contracts.md`` are fixed; the rest are ours.
+``docs/formats.md`` and the README are what users script against; keep them stable.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Model:
 @dataclass
 class Objective:
     name: str = doc("causal_lm", "training objective: causal_lm (the recipe), masked_diffusion, or a registered one")
-    # masked_diffusion (shared/spec/masked_diffusion.md)
+    # masked_diffusion (docs/masked_diffusion.md)
     mask_token_id: int = doc(-1, "masked_diffusion: id of the mask token; -1: the first embedding row past the "
                                  "tokenizer (Qwen3: 151669), else its last reserved special token (Llama 3)")
     t_min: float = doc(0.1, "masked_diffusion: noise level t ~ Uniform(t_min, 1) per example (LLaDA: 1e-3)")

@@ -1,6 +1,6 @@
 """LLaDA's low-confidence remasking sampler, and generation validation for masked-diffusion runs.
 
-Sampling (shared/spec/masked_diffusion.md): start from ``[prompt | mask x gen_length]``; the answer is cut into
+Sampling (docs/masked_diffusion.md): start from ``[prompt | mask x gen_length]``; the answer is cut into
 blocks of ``block_length`` denoised left to right, each in ``steps / n_blocks`` steps. At each step the model
 scores every position; a token x0 is drawn per position from softmax(logits / temperature) with Gumbel noise in
 float64 (temperature 0 = argmax); its confidence is its softmax probability (``low_confidence``) or uniform noise

@@ -1,4 +1,4 @@
-"""``python -m titan_sft.data.prepare``: chat JSONL -> packed, assistant-masked dataset (contracts.md layout).
+"""``python -m titan_sft.data.prepare``: chat JSONL -> packed, assistant-masked dataset (the layout of docs/formats.md).
 
 Streaming in three passes with bounded memory:
 1. read lines in order, tokenize batches of them across ``--workers`` processes (results come back in input

@@ -9,7 +9,7 @@ An example whose answer is empty is skipped and counted; any other bad row follo
 
 Each example is rendered with the chat template: the prompt ends with the assistant header, the answer is the
 assistant turn up to and including its end-of-turn token. Output (``--out``): ``train/``, ``validation/`` and
-``test/`` (the last two when asked for), each in the packed-dataset layout of contracts.md, where the
+``test/`` (the last two when asked for), each in the packed-dataset layout of docs/formats.md, where the
 "assistant mask" marks the answer (the positions diffusion may mask) and ``answer_lens.npy`` [n_documents] gives
 each example's own answer length. With ``--eos-pad`` every example fills its own pack: the answer is followed by
 end-of-turn tokens up to ``--seq-len`` and that padding is part of the answer (masked and supervised, so the

@@ -1,4 +1,4 @@
-"""``causal_lm``: causal chat SFT with the Marin/Levanter recipe's loss (shared/spec/recipe.md).
+"""``causal_lm``: causal chat SFT with the Marin/Levanter recipe's loss (docs/recipe.md).
 
 * labels (item 7): position i of a pack predicts token i+1 where that token is an assistant token; the collator
   (``titan_sft.data.collator``) builds them;

@@ -1,4 +1,4 @@
-"""``masked_diffusion``: LLaDA-style masked-diffusion SFT (shared/spec/masked_diffusion.md).
+"""``masked_diffusion``: LLaDA-style masked-diffusion SFT (docs/masked_diffusion.md).
 
 Per example (a document of a pack: prompt, then answer; the dataset's mask marks the answer, and with EOS padding
 the padding after it):
