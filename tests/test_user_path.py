@@ -238,3 +238,30 @@ def test_the_causal_head_runs_at_target_positions_only_with_the_same_loss_and_gr
     assert abs(ours - ref) <= 1e-6 * abs(ref)
     for name, g in g_ref.items():
         assert (g_ours[name] - g).norm() <= 1e-6 * g.norm(), name
+
+
+@pytest.mark.parametrize("module", ["prepare", "prepare_diffusion"])
+def test_an_unwritable_prepare_out_is_one_line(tmp_path, module):
+    r = subprocess.run([sys.executable, "-m", f"titan_sft.data.{module}", "--input",
+                        "titan_sft/assets/debug_data/train.jsonl", "--tokenizer", "titan_sft/assets/debug_tokenizer",
+                        "--seq-len", "256", "--out", "/proc/titan_sft_test/out"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [f"{module}: error: --out /proc/titan_sft_test/out: cannot create "
+                                             "/proc/titan_sft_test (No such file or directory)"]
+
+
+def test_download_without_the_hub_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "titan_sft.download", "Qwen/Qwen3-0.6B", "--to", str(tmp_path / "m")],
+                       cwd=ROOT, env={**ENV, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("download: error: the Hugging Face hub cannot be reached"), lines
+    assert "model.hf_assets_path" in lines[0] and not (tmp_path / "m").exists()
+
+
+def test_generate_help_is_whole():
+    r = subprocess.run([sys.executable, "-m", "titan_sft.generate", "--help"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "a trained model, in one process." in r.stdout and "--mask-token-id" in r.stdout

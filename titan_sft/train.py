@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -416,8 +417,10 @@ def check_output_folder(folder: str) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"config key 'job.dump_folder': cannot create {folder} ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"config key 'job.dump_folder': {folder} is not writable")
+    try:  # a real probe: os.access says yes to root even where nothing can be created
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=path))
+    except OSError as e:
+        raise ConfigError(f"config key 'job.dump_folder': cannot write in {folder} ({e.strerror})") from None
 
 
 def main(argv: list[str] | None = None) -> int:

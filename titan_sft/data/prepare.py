@@ -15,6 +15,7 @@ import bisect
 import json
 import multiprocessing as mp
 import os
+import tempfile
 import shutil
 import sys
 import time
@@ -159,6 +160,20 @@ def pack_bfd(lens: np.ndarray, seq_len: int, max_docs: int) -> list[list[int]]:
         if len(packs[pid]) < max_docs and r - n > 0:
             bisect.insort(room, (r - n, pid))
     return packs
+
+
+def check_out(out: str) -> None:
+    """Raises PrepareError (one line) when ``--out``'s parent folder cannot be created or written: the output is
+    written next to it (``<out>.partial``) and renamed."""
+    parent = Path(out).absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PrepareError(f"--out {out}: cannot create {parent} ({e.strerror})") from None
+    try:  # a real probe: os.access says yes to root even where nothing can be created (/proc, read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{Path(out).name}.probe-", dir=parent))
+    except OSError as e:
+        raise PrepareError(f"--out {out}: cannot write in {parent} ({e.strerror})") from None
 
 
 def prepare(
@@ -486,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        check_out(a.out)
         m = prepare(a.input, a.tokenizer, a.seq_len, a.out, a.chat_template, a.packing, a.overlength,
                     a.on_bad_row, a.workers, a.max_docs_per_pack, a.overwrite, progress=not a.quiet,
                     max_rows=a.max_rows, cache_dir=a.cache_dir, split_history=a.split_history,

@@ -34,7 +34,8 @@ import numpy as np
 
 from titan_sft.data import cache
 from titan_sft.data.chat import ROLES, Conversation, _check_tool_calls, encoder_for, load_tokenizer, tokenizer_sha256
-from titan_sft.data.prepare import BATCH_LINES, FORMAT_VERSION, PrepareError, _batches, open_input, pack_greedy
+from titan_sft.data.prepare import (BATCH_LINES, FORMAT_VERSION, PrepareError, _batches, check_out, open_input,
+                                    pack_greedy)
 from titan_sft.data.sources import iter_rows
 
 SPLITS = ("train", "validation", "test")
@@ -400,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        check_out(a.out)
         prepare_diffusion(a.input, a.tokenizer, a.seq_len, a.out, eos_pad=a.eos_pad, validation=a.validation,
                           test=a.test, validation_size=a.validation_size, test_size=a.test_size,
                           split_seed=a.split_seed, max_history_turns=a.max_history_turns,
