@@ -411,16 +411,17 @@ def parse_cli(argv: list[str]) -> tuple[str | None, bool, list[str]]:
 
 
 def check_output_folder(folder: str) -> None:
-    """Creates ``job.dump_folder`` if needed; raises ConfigError (one line) when it cannot be created or written."""
-    path = Path(folder)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
+    """Raises ConfigError (one line) unless ``job.dump_folder`` is a folder this process can write in, or can be
+    created: probed in its nearest existing ancestor, creating nothing that stays."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"config key 'job.dump_folder': cannot create {folder} ({existing} is a file)")
+    try:  # a real probe: os.access says yes to root even where nothing can be created (/proc, read-only mounts)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
     except OSError as e:
-        raise ConfigError(f"config key 'job.dump_folder': cannot create {folder} ({e.strerror})") from None
-    try:  # a real probe: os.access says yes to root even where nothing can be created
-        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=path))
-    except OSError as e:
-        raise ConfigError(f"config key 'job.dump_folder': cannot write in {folder} ({e.strerror})") from None
+        what = f"cannot write in {folder}" if existing == path else f"cannot create {folder}"
+        raise ConfigError(f"config key 'job.dump_folder': {what} ({e.strerror})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
