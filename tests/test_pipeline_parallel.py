@@ -102,19 +102,20 @@ PP_LAYOUTS = {  # name: (processes, overrides)
 def test_pipeline_layouts_match_one_rank(one_rank, tmp_path, layout):
     """Debug model (4 layers, tied head), weight decay 0.01 (the recipe's mask: the tied embedding, and so the last
     stage's copy of it, does not decay), global batch 4 in 4 microbatches, loss groups 2: the first 3 steps' losses
-    and grad norms within 1e-6 relative of one rank (measured: 1e-7; a decayed head copy drifted 4.3e-6 by step 2).
+    within 1e-6 and grad norms within 5e-6 relative of one rank (measured: 7.7e-8 and 8.3e-7; with the head copy
+    decayed they drifted 4.3e-6 and 1.2e-5 by step 2).
     The 1F1B run goes on for all 6 steps with checkpoints after steps 3 and 5: its HF export equals the 1-rank
     export; resumed on pp 2 from the step-3 checkpoint (the newer ones removed, as after a kill) it repeats steps
     4-6 bit for bit and metrics.jsonl lists every step once; resumed on 1 rank it follows the 1-rank curve."""
     base_dump, base = one_rank
     nproc, overrides = PP_LAYOUTS[layout]
     if layout != "pp2_1f1b":
-        run_first_steps_like(base, nproc, tmp_path / "run", overrides, 1e-6)
+        run_first_steps_like(base, nproc, tmp_path / "run", overrides, 1e-6, 5e-6)
         return
     full = run(nproc, tmp_path / "run", *overrides, "--checkpoint.interval", "2")
     assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6]
     for r, b in zip(full[:3], base[:3]):
-        assert close(r["loss"], b["loss"], 1e-6) and close(r["grad_norm"], b["grad_norm"], 1e-6), (r, b)
+        assert close(r["loss"], b["loss"], 1e-6) and close(r["grad_norm"], b["grad_norm"], 5e-6), (r, b)
     # parameter_audit.json counts every stage's parameters (the tied head once), as one rank does
     audits = [(d / "parameter_audit.json").read_text() for d in (tmp_path / "run", base_dump)]
     assert audits[0] == audits[1] and '"Embedding"' in audits[0]
