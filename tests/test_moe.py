@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_parallel import assert_same_adapter_updates
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -547,7 +548,12 @@ def test_lora_on_the_experts_under_expert_parallel_matches_one_rank_and_exports_
         _close(a, b, keys=("loss", "grad_norm"))
     export = tmp_path / "ep2" / "hf" / "step-2"
     ours, ref = _safetensors(export), _safetensors(tmp_path / "one" / "hf" / "step-2")
-    assert all(torch.allclose(ours[k], ref[k], rtol=1e-4, atol=1e-5) for k in ref)
+    assert ours.keys() == ref.keys()
+    # The merged weights: base (the same seed) + update; the updates compared as made (B @ A per module and
+    # expert) within 1e-3 of their size, not element by element (tests/test_parallel.assert_same_adapter_updates)
+    assert all((ours[k] - ref[k]).norm() <= 1e-4 * ref[k].norm() for k in ref)
+    assert_same_adapter_updates(*(read_peft_adapter(tmp_path / d / "adapters" / "final")[1]
+                                  for d in ("ep2", "one")), 1e-3)
     AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # loads: per-expert names, merged
     conf, state = read_peft_adapter(tmp_path / "ep2" / "adapters" / "final")
     assert conf["titan_sft_expert_adapters"] == "expert_adapters.safetensors"

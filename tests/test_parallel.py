@@ -53,6 +53,22 @@ def close(a, b, rel):
     return abs(a - b) <= rel * abs(b)
 
 
+def assert_same_adapter_updates(ours: dict, ref: dict, rel: float) -> None:
+    """Two layouts' LoRA adapters (tensors by name, ``*lora_a`` / ``*lora_b`` pairs; stacked experts batch) made the
+    same update: ``B @ A`` within ``rel`` of its size, per module. Single adapter elements are not compared: in the
+    first AdamW steps m / sqrt(v) of an element whose gradient is near zero (lora_B starts at zero, so early adapter
+    gradients are small) turns summation-order noise into differences of a sizeable part of that element, which
+    vary from CPU to CPU, while the update the model computes, summed over the rank's components, stays close."""
+    assert ours.keys() == ref.keys()
+    pairs = [(k.replace("lora_B", "lora_A").replace("lora_b", "lora_a"), k) for k in ref
+             if "lora_B" in k or "lora_b" in k]
+    assert pairs
+    for a, b in pairs:
+        delta_ours, delta_ref = ours[b] @ ours[a], ref[b] @ ref[a]  # the scale is common to both
+        assert delta_ref.norm() > 0 and (delta_ours - delta_ref).norm() <= rel * delta_ref.norm(), \
+            (b, ((delta_ours - delta_ref).norm() / delta_ref.norm()).item())
+
+
 def run_first_steps_like(base, nproc, dump, overrides, tol, grad_tol=None):
     """Runs a layout for the first 3 steps of the 6-step schedule (stopping with a checkpoint) and asserts its
     losses within ``tol`` and grad norms within ``grad_tol`` (default ``tol``) relative of ``base`` (the 1-rank
