@@ -46,7 +46,8 @@ def test_a_pipeline_stage_copy_of_a_tied_head_does_not_decay():
 def test_the_best_held_out_loss_is_restored_on_resume(tmp_path):
     """keep_best compares with the best loss as of the resumed checkpoint (both objectives call
     ``CheckpointManager.keep_if_best``): a worse first validation after a resume does not replace the best
-    checkpoint; a checkpoint older than that record falls back to checkpoints-best's loss unless it is newer."""
+    checkpoint; checkpoints-best's loss counts when it is not newer than the checkpoint (the validation of a
+    checkpoint's own step runs after the save and is not repeated)."""
     from titan_sft.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager.__new__(CheckpointManager)
@@ -60,6 +61,7 @@ def test_the_best_held_out_loss_is_restored_on_resume(tmp_path):
     (best / ".metadata").write_text("")
     (best / "meta.json").write_text(json.dumps({"step": 6, "validation_loss": 1.25}))
     assert ckpt._best_as_of({"step": 8}) == 1.25  # a checkpoint from before the record
+    assert ckpt._best_as_of({"step": 6, "best_validation_loss": 1.5}) == 1.25  # validated after its checkpoint
     assert ckpt._best_as_of({"step": 4}) == float("inf")  # the best is from steps this run will redo
     ckpt.best_loss = ckpt._best_as_of({"step": 8, "best_validation_loss": 1.25})
     assert not ckpt.keep_if_best(10, 1.3) and saved == []

@@ -459,15 +459,15 @@ class CheckpointManager:
         return int(meta["step"])
 
     def _best_as_of(self, meta: dict) -> float:
-        """The best held-out loss when ``meta``'s checkpoint was written; for checkpoints older than that record,
-        checkpoints-best's loss if that one is not newer than the checkpoint."""
-        if "best_validation_loss" in meta:
-            best = meta["best_validation_loss"]
-            return math.inf if best is None else float(best)
-        best = read_meta(self.root / "checkpoints-best")
-        if best is None or "validation_loss" not in best or int(best["step"]) > int(meta["step"]):
-            return math.inf
-        return float(best["validation_loss"])
+        """The best held-out loss when the run had completed ``meta``'s steps: the loss the checkpoint recorded,
+        or checkpoints-best's when that one is not newer and lower (a validation runs after its step's checkpoint
+        is written, and a resumed run does not repeat it; checkpoints older than the record have only this)."""
+        recorded = meta.get("best_validation_loss")
+        best = math.inf if recorded is None else float(recorded)
+        saved = read_meta(self.root / "checkpoints-best")
+        if saved is not None and "validation_loss" in saved and int(saved["step"]) <= int(meta["step"]):
+            best = min(best, float(saved["validation_loss"]))
+        return best
 
     def keep_if_best(self, completed_steps: int, loss: float) -> bool:
         """Saves ``checkpoints-best`` when the held-out ``loss`` is lower than every earlier one of the run
