@@ -16,21 +16,14 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from bench_chunked_ce import timed_peak  # benchmarks/ is the script's folder: on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def write_chat_rows(path: Path, n_rows: int) -> None:
@@ -89,21 +82,8 @@ def one(variant: str, data: str, layers: int, batch: int, runs: int, chunk: int,
         return loss.item()
 
     loss = step()  # warm-up: allocator and kernels; not timed
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:  # the peak RSS (VmHWM) restarts from the current RSS
-            f.write("5")
-        base = _status_kib("VmRSS")
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    peak = ((torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda"
-            else (_status_kib("VmHWM") - base) / 2**20)
-    return {"variant": variant, "median_s": statistics.median(times), "peak_extra_gib": peak, "loss": loss,
+    median, peak = timed_peak(step, runs, device)
+    return {"variant": variant, "median_s": median, "peak_extra_gib": peak, "loss": loss,
             "tokens": mb.input_ids.numel(), "targets": mb.n_loss_tokens}
 
 

@@ -47,6 +47,15 @@ def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str
     if variant == "compiled":  # the first call compiles: neither timed nor counted in the peak
         step()
         h.grad = w.grad = None
+    median, peak = timed_peak(step, runs, device)
+    return {"variant": variant, "median_s": median, "peak_extra_gib": peak}
+
+
+def timed_peak(step, runs: int, device: str) -> tuple[float, float]:
+    """(median seconds of ``runs`` calls of ``step``, peak extra memory in GiB over them): the peak allocated on a
+    GPU, else the growth of the peak RSS (VmHWM, reset to the current RSS first)."""
+    import torch
+
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -63,7 +72,7 @@ def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     else:
         peak = (_status_kib("VmHWM") - base) / 2**20
-    return {"variant": variant, "median_s": statistics.median(times), "peak_extra_gib": peak}
+    return statistics.median(times), peak
 
 
 def main() -> None:
