@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-BUILTIN_FAMILIES = ("qwen3", "qwen3_moe", "llama3")
+BUILTIN_FAMILIES = ("qwen3", "qwen3_moe", "llama3", "qwen3_5", "qwen3_5_moe")
 BUILTIN_OBJECTIVES = ("causal_lm", "masked_diffusion")
 
 

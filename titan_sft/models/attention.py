@@ -126,6 +126,9 @@ class AttentionMask:
     max_seqlen: int = 0
     dense: torch.Tensor | None = None  # sdpa: [B, 1, T, T], bool or (given a dtype) additive 0 / -inf
     block_mask: Any = None  # flex: BlockMask
+    # Linear-attention layers (Gated DeltaNet): each token's index within its document [B, T]; None when every row
+    # is one document. Set by the model when it has such layers.
+    doc_position: torch.Tensor | None = None
 
 
 class AttentionBackend:

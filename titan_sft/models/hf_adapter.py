@@ -28,7 +28,32 @@ _LAYER_MAP = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",  # mixture of experts: the router
+    # Qwen3.5-MoE's shared expert and its gate
+    "shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
+    # Gated DeltaNet (Qwen3.5's linear attention); its q/k/v projections and convs are FUSED parts below
+    "attention.in_proj_z.weight": "linear_attn.in_proj_z.weight",
+    "attention.in_proj_b.weight": "linear_attn.in_proj_b.weight",
+    "attention.in_proj_a.weight": "linear_attn.in_proj_a.weight",
+    "attention.out_proj.weight": "linear_attn.out_proj.weight",
+    "attention.A_log": "linear_attn.A_log",
+    "attention.dt_bias": "linear_attn.dt_bias",
+    "attention.norm.weight": "linear_attn.norm.weight",
 }
+# Native tensors that are row blocks of one HF tensor: Gated DeltaNet's q, k and v projections and convs are one
+# [q | k | v] tensor in HF files (kept apart natively so tensor parallel can shard heads). Native suffix ->
+# (HF suffix, part index); the rows of each part come from the model's sizes (``fused_rows``).
+FUSED = {
+    "attention.in_proj_q.weight": ("linear_attn.in_proj_qkv.weight", 0),
+    "attention.in_proj_k.weight": ("linear_attn.in_proj_qkv.weight", 1),
+    "attention.in_proj_v.weight": ("linear_attn.in_proj_qkv.weight", 2),
+    "attention.conv_q": ("linear_attn.conv1d.weight", 0),
+    "attention.conv_k": ("linear_attn.conv1d.weight", 1),
+    "attention.conv_v": ("linear_attn.conv1d.weight", 2),
+}
+_HF_FUSED = {v[0] for v in FUSED.values()}
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _HF_LAYER_MAP = {v: k for k, v in _LAYER_MAP.items()}
 _HF_TOP_MAP = {v: k for k, v in _TOP_MAP.items()}
@@ -52,6 +77,31 @@ def routing_bias_layer(native_name: str) -> int | None:
 
 def routing_bias_name(layer: int) -> str:
     return f"layers.{layer}.feed_forward.router.expert_bias"
+
+
+def fused_rows(args: TransformerArgs) -> list[tuple[int, int]]:
+    """(first row, rows) of the q, k and v parts of a fused Gated DeltaNet tensor."""
+    key, value = args.linear_n_k_heads * args.linear_k_head_dim, args.linear_n_v_heads * args.linear_v_head_dim
+    return [(0, key), (key, key), (2 * key, value)]
+
+
+def fused_slot(native_name: str, args: TransformerArgs) -> tuple[str, int, int] | None:
+    """(HF name, first row, rows) of a native tensor that is a row block of a fused HF tensor; None otherwise."""
+    m = _NATIVE_LAYER.match(native_name)
+    if not m or m.group(2) not in FUSED:
+        return None
+    hf_suffix, part = FUSED[m.group(2)]
+    return (f"model.layers.{m.group(1)}.{hf_suffix}", *fused_rows(args)[part])
+
+
+def fused_parts(hf_name: str, args: TransformerArgs) -> list[tuple[str, int, int]] | None:
+    """The native (name, first row, rows) parts of a fused HF tensor, in row order; None for any other name."""
+    m = _HF_LAYER.match(hf_name)
+    if not m or m.group(2) not in _HF_FUSED:
+        return None
+    rows = fused_rows(args)
+    parts = sorted((part, native) for native, (hf, part) in FUSED.items() if hf == m.group(2))
+    return [(f"layers.{m.group(1)}.{native}", *rows[part]) for part, native in parts]
 
 
 def native_to_hf_name(name: str) -> str:
@@ -97,9 +147,14 @@ class StateDictAdapter:
         self.args = args
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The HF tensors of a native state dict; routing biases have none (see ``ROUTING_BIAS_FILE``)."""
-        out = {}
+        """The HF tensors of a native state dict; routing biases have none (see ``ROUTING_BIAS_FILE``). Fused HF
+        tensors are concatenated from their parts (all parts must be present)."""
+        out, fused = {}, {}
         for name, tensor in state_dict.items():
+            slot = fused_slot(name, self.args)
+            if slot is not None:
+                fused.setdefault(slot[0], {})[slot[1]] = tensor
+                continue
             if name == "output.weight" and self.args.tie_embeddings:
                 continue  # tied: the embedding is the head, HF writes no lm_head.weight
             if routing_bias_layer(name) is not None:
@@ -109,6 +164,8 @@ class StateDictAdapter:
                 out.update({hf: tensor[j] for j, hf in enumerate(per_expert)})
                 continue
             out[native_to_hf_name(name)] = tensor
+        for hf, parts in fused.items():
+            out[hf] = torch.cat([parts[start] for start in sorted(parts)])
         return out
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -116,6 +173,10 @@ class StateDictAdapter:
         for name, tensor in hf_state_dict.items():
             if name == "lm_head.weight" and self.args.tie_embeddings:
                 continue  # some tied checkpoints still carry a copy; the embedding wins, as in transformers
+            parts = fused_parts(name, self.args)
+            if parts is not None:
+                out.update({native: tensor[start:start + rows] for native, start, rows in parts})
+                continue
             slot = expert_slot(name)
             if slot is not None:
                 experts.setdefault(slot[0], {})[slot[1]] = tensor
@@ -132,6 +193,10 @@ class StateDictAdapter:
         """HF tensor names a checkpoint of this model holds."""
         names = []
         for n in expected_native_names(self.args):
+            fused = fused_slot(n, self.args)
+            if fused is not None:
+                names.extend([] if fused[0] in names else [fused[0]])
+                continue
             names.extend(expert_hf_names(n, self.args.n_experts) or [native_to_hf_name(n)])
         return [n for n in names if not (n == "lm_head.weight" and self.args.tie_embeddings)]
 
@@ -139,15 +204,24 @@ class StateDictAdapter:
 _DENSE_MLP = ("feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
 
 
+_LINEAR_KEYS = [k for k in _LAYER_MAP if k.startswith("attention.") and _LAYER_MAP[k].startswith("linear_attn.")]
+_LINEAR_KEYS += list(FUSED)
+
+
 def expected_native_names(args: TransformerArgs) -> list[str]:
     names = ["tok_embeddings.weight"]
     moe = set(args.moe_layers())
     for i in range(args.n_layers):
-        for key in _LAYER_MAP:
-            if "q_norm" in key or "k_norm" in key:
-                if not args.qk_norm:
-                    continue
+        linear = args.layer_type(i) == "linear_attention"
+        for key in list(_LAYER_MAP) + list(FUSED):
+            is_linear_key = key in _LINEAR_KEYS
+            if is_linear_key != linear and (key.startswith("attention.") or is_linear_key):
+                continue
+            if ("q_norm" in key or "k_norm" in key) and not args.qk_norm:
+                continue
             if (key in _DENSE_MLP and i in moe) or (key.startswith("feed_forward.router") and i not in moe):
+                continue
+            if key.startswith("shared_expert") and not (i in moe and args.shared_expert_ffn_dim):
                 continue
             names.append(f"layers.{i}.{key}")
         if i in moe:
@@ -193,7 +267,41 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 # What the native decoder needs to know of the HF architectures it can represent: Qwen3 normalises q and k per
 # head, Llama does not. (Which family a model_type belongs to is the registry's business, not this table's.)
-HF_QK_NORM = {"qwen3": True, "qwen3_moe": True, "llama": False}
+HF_QK_NORM = {"qwen3": True, "qwen3_moe": True, "llama": False, "qwen3_5_text": True, "qwen3_5_moe_text": True}
+# Qwen3.5's text configs (the hybrid decoder); a multimodal config ("qwen3_5", "qwen3_5_moe") nests one as
+# ``text_config``.
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a config.json: itself, or a multimodal checkpoint's ``text_config`` (with
+    the model_type its weights are read as)."""
+    if cfg.get("model_type") in MULTIMODAL_TYPES:
+        return {"model_type": MULTIMODAL_TYPES[cfg["model_type"]], **cfg["text_config"]}
+    return cfg
+
+
+def _qwen3_5_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """TransformerArgs fields of Qwen3.5's hybrid decoder from a text config."""
+    layer_types = cfg.get("layer_types")
+    if not layer_types:  # transformers' default: every full_attention_interval-th layer is full attention
+        every = cfg.get("full_attention_interval", 4)
+        layer_types = ["linear_attention" if (i + 1) % every else "full_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    bad = sorted(set(layer_types) - {"linear_attention", "full_attention"})
+    if bad or len(layer_types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"config.json: layer_types must list 'linear_attention'/'full_attention' for each of the "
+                         f"{cfg['num_hidden_layers']} layers (got {len(layer_types)} entries, unknown {bad})")
+    rope = cfg.get("rope_parameters") or {}
+    fields = dict(layer_types=list(layer_types), attn_output_gate=True, norm_offset=True,
+                  partial_rotary_factor=float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))),
+                  linear_n_k_heads=cfg["linear_num_key_heads"], linear_n_v_heads=cfg["linear_num_value_heads"],
+                  linear_k_head_dim=cfg["linear_key_head_dim"], linear_v_head_dim=cfg["linear_value_head_dim"],
+                  linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4))
+    if cfg.get("shared_expert_intermediate_size"):
+        fields["shared_expert_ffn_dim"] = cfg["shared_expert_intermediate_size"]
+    return fields
 
 
 def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> TransformerArgs:
@@ -204,6 +312,7 @@ def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> Tra
         qk_norm: whether the architecture normalises q/k per head; None looks ``model_type`` up in
             ``HF_QK_NORM`` (qwen3, llama).
     """
+    cfg = text_config(cfg)
     model_type = cfg.get("model_type")
     if qk_norm is None:
         if model_type not in HF_QK_NORM:
@@ -228,7 +337,7 @@ def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> Tra
         n_heads=heads,
         n_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        ffn_dim=cfg["intermediate_size"],
+        ffn_dim=cfg.get("intermediate_size", 0),  # none in Qwen3.5-MoE, whose every layer has experts
         vocab_size=cfg["vocab_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
@@ -238,6 +347,7 @@ def args_from_hf_config(cfg: dict[str, Any], qk_norm: bool | None = None) -> Tra
         max_seq_len=cfg.get("max_position_embeddings", 40960),
         extra={k: v for k, v in cfg.items() if k in _CARRIED_KEYS},
         **moe,
+        **(_qwen3_5_fields(cfg) if model_type in QWEN3_5_TYPES else {}),
     )
 
 
@@ -295,9 +405,18 @@ def hf_config_from_args(args: TransformerArgs, model_type: str, architecture: st
         "use_cache": True,
         "initializer_range": 0.02,
     }
+    if args.partial_rotary_factor != 1.0:
+        rope_parameters["partial_rotary_factor"] = args.partial_rotary_factor
     if args.rope_scaling is not None:
         cfg["rope_scaling"] = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
-    if model_type in ("qwen3", "qwen3_moe"):  # Qwen3's config classes read these; Llama's reads mlp_bias
+    if model_type in QWEN3_5_TYPES:
+        cfg.update(layer_types=list(args.layer_types), linear_num_key_heads=args.linear_n_k_heads,
+                   linear_num_value_heads=args.linear_n_v_heads, linear_key_head_dim=args.linear_k_head_dim,
+                   linear_value_head_dim=args.linear_v_head_dim, linear_conv_kernel_dim=args.linear_conv_kernel)
+        if args.shared_expert_ffn_dim:
+            cfg["shared_expert_intermediate_size"] = args.shared_expert_ffn_dim
+        del cfg["rope_theta"]  # transformers 5 reads rope_parameters; Qwen3.5 has no older reader
+    elif model_type in ("qwen3", "qwen3_moe"):  # Qwen3's config classes read these; Llama's reads mlp_bias
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
     else:
         cfg["mlp_bias"] = False

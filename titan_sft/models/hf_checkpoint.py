@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, StateDictAdapter, args_from_hf_config, expert_hf_names,
-                                         expert_slot, routing_bias_name)
+                                         expert_slot, fused_parts, routing_bias_name, text_config)
 from titan_sft.models.transformer import Transformer
 
 
@@ -75,7 +75,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, attention:
 
     hf_cfg = read_config(path)
     args = args_from_hf_config(hf_cfg)
-    kind = hf_cfg.get("model_type")
+    kind = text_config(hf_cfg).get("model_type")
     adapter = StateDictAdapter(args)
     bias = read_routing_bias(path, args)  # a titan_sft export trained with it routes with it
     with torch.device("meta"):
@@ -91,6 +91,13 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32, attention:
         for file in safetensors_files(path):
             with safe_open(str(file), framework="pt") as f:
                 for hf_name in f.keys():
+                    parts = fused_parts(hf_name, args)
+                    if parts is not None:  # one HF tensor holding several native ones (rows [q | k | v])
+                        tensor = f.get_tensor(hf_name)
+                        for name, start, rows in parts:
+                            expected[name].copy_(tensor[start:start + rows])
+                            loaded.add(name)
+                        continue
                     slot = expert_slot(hf_name)
                     try:
                         native = {slot[0]: None} if slot else adapter.from_hf({hf_name: None})

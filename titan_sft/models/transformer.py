@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_sft.models.attention import AttentionBackend, AttentionMask
+from titan_sft.models.attention import AttentionBackend, AttentionMask, segment_ids
+from titan_sft.models.gated_deltanet import GatedDeltaNet
 from titan_sft.models.moe import MoE, Router, RouterStats, moe_layer_ids
 
 
@@ -83,6 +84,18 @@ class TransformerArgs:
     decoder_sparse_step: int = 1  # every n-th layer has experts
     mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP of ffn_dim
     router_aux_loss_coef: float = 0.0  # the HF config's load-balancing coefficient (the objective applies it)
+    shared_expert_ffn_dim: int = 0  # Qwen3.5-MoE: a shared SwiGLU expert of this size beside the routed ones, sigmoid-gated
+    # Qwen3.5's hybrid decoder: layer_types[i] is "full_attention" or "linear_attention" (Gated DeltaNet); empty:
+    # every layer is full attention.
+    layer_types: list[str] = field(default_factory=list)
+    attn_output_gate: bool = False  # full attention's output times sigmoid(gate), the gate from the q projection
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * factor dimensions of q and k
+    norm_offset: bool = False  # RMSNorms scale by (1 + weight), weights start at 0 (Qwen3.5)
+    linear_n_k_heads: int = 0  # Gated DeltaNet: key (and query) heads
+    linear_n_v_heads: int = 0  # Gated DeltaNet: value heads (a multiple of the key heads)
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 4  # depthwise causal conv over q, k and v
     # Runtime choices, not architecture: set from [model] config.
     attention: str = "sdpa"
     causal: bool = True
@@ -94,21 +107,41 @@ class TransformerArgs:
     def moe_layers(self) -> list[int]:
         return moe_layer_ids(self.n_layers, self.n_experts, self.decoder_sparse_step, self.mlp_only_layers)
 
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def linear_layers(self) -> list[int]:
+        """Indices of the Gated DeltaNet layers."""
+        return [i for i in range(self.n_layers) if self.layer_type(i) == "linear_attention"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def num_params(self, active: bool = False) -> int:
         """Parameter count, counting a tied embedding once; ``active``: only the k experts a token uses."""
-        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        q_out = self.n_heads * self.head_dim * (2 if self.attn_output_gate else 1)
+        attn = self.dim * (q_out + self.head_dim * (self.n_heads + 2 * self.n_kv_heads))
         attn += 2 * self.head_dim if self.qk_norm else 0
+        key, value = self.linear_n_k_heads * self.linear_k_head_dim, self.linear_n_v_heads * self.linear_v_head_dim
+        linear = (self.dim * (2 * key + 2 * value + 2 * self.linear_n_v_heads) + value * self.dim
+                  + (2 * key + value) * self.linear_conv_kernel + 2 * self.linear_n_v_heads + self.linear_v_head_dim)
+        n_linear = len(self.linear_layers())
+        mixers = (self.n_layers - n_linear) * attn + n_linear * linear
         n_moe = len(self.moe_layers())
         experts = self.n_experts_per_tok if active else self.n_experts
         moe = self.dim * self.n_experts + 3 * self.dim * self.moe_ffn_dim * experts
+        if self.shared_expert_ffn_dim:
+            moe += 3 * self.dim * self.shared_expert_ffn_dim + self.dim
         mlp = (self.n_layers - n_moe) * 3 * self.dim * self.ffn_dim + n_moe * moe
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return (self.vocab_size * self.dim + self.n_layers * (attn + 2 * self.dim) + mlp + self.dim + head)
+        return self.vocab_size * self.dim + mixers + self.n_layers * 2 * self.dim + mlp + self.dim + head
 
 
 def rope_inv_freq(args: TransformerArgs, device: torch.device | None = None) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim / 2] in fp32, computed exactly as HF does (with llama3 or yarn scaling)."""
-    exps = torch.arange(0, args.head_dim, 2, dtype=torch.int64, device=device).float() / args.head_dim
+    dim = args.rotary_dim
+    exps = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     inv_freq = 1.0 / (args.rope_theta**exps)
     s = args.rope_scaling
     if s is None:
@@ -160,51 +193,68 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates halves (the HF layout, so checkpoints need no permutation). x: [B, H, T, D]."""
+    """Rotates halves (the HF layout, so checkpoints need no permutation). x: [B, H, T, D]; a cos/sin narrower
+    than D (partial RoPE) rotates the first dimensions and passes the rest through."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+        return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32, cast back before the weight (as HF does, so bf16 runs round identically)."""
+    """RMSNorm in fp32, cast back before the weight (as HF does, so bf16 runs round identically).
 
-    def __init__(self, dim: int, eps: float):
+    ``offset`` (Qwen3.5): the scale is ``1 + weight``, weights start at 0, and the product is taken in fp32 before
+    the cast, as transformers' zero-centred norm does."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
 
 
 class SelfAttention(nn.Module):
     def __init__(self, args: TransformerArgs, backend: AttentionBackend):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.output_gate = args.attn_output_gate
+        # With an output gate each head's rows are [query | gate] (transformers' layout), so a column shard of wq
+        # holds whole heads.
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim * (2 if self.output_gate else 1), bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim)
+        q = self.wq(x).view(b, t, -1, self.head_dim * (2 if self.output_gate else 1))
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.backend(q, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        out = self.backend(q, k, v, mask).transpose(1, 2).reshape(b, t, -1)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(b, t, -1))
+        return self.wo(out)
 
 
 class FeedForward(nn.Module):
@@ -221,38 +271,64 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm block: a token mixer (full attention, or Gated DeltaNet where ``args.layer_types`` says
+    ``linear_attention``) and an MLP (dense SwiGLU, or routed experts, with a sigmoid-gated shared expert where
+    ``args.shared_expert_ffn_dim`` is set)."""
+
     def __init__(self, layer_id: int, args: TransformerArgs, backend: AttentionBackend):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = SelfAttention(args, backend)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.linear = args.layer_type(layer_id) == "linear_attention"
+        self.attention = (GatedDeltaNet(args.dim, args.linear_n_k_heads, args.linear_n_v_heads, args.linear_k_head_dim,
+                                        args.linear_v_head_dim, args.linear_conv_kernel, args.norm_eps)
+                          if self.linear else SelfAttention(args, backend))
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.moe = layer_id in args.moe_layers()
         self.feed_forward = (MoE(args.dim, args.moe_ffn_dim, args.n_experts, args.n_experts_per_tok,
                                  args.norm_topk_prob, args.moe_impl, args.freeze_router, args.router_bias)
                              if self.moe else FeedForward(args.dim, args.ffn_dim))
+        shared = self.moe and args.shared_expert_ffn_dim > 0
+        self.shared_expert = FeedForward(args.dim, args.shared_expert_ffn_dim) if shared else None
+        self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The new hidden states; an MoE block also returns its router's statistics (selections, probability
         sums, z-loss sum)."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        if self.linear:
+            h = x + self.attention(self.attention_norm(x), mask.doc_position, mask.cu_seqlens)
+        else:
+            h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         if self.moe:
-            out, *stats = self.feed_forward(self.ffn_norm(h))
+            hn = self.ffn_norm(h)
+            out, *stats = self.feed_forward(hn)
+            if self.shared_expert is not None:
+                out = out + torch.sigmoid(self.shared_expert_gate(hn)) * self.shared_expert(hn)
             return h + out, *stats
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, std: float) -> None:
         # Output projections get a depth-scaled std so the residual stream does not grow with depth.
         out_std = std / math.sqrt(2 * (self.layer_id + 1))
-        ff = self.feed_forward
-        for lin in (self.attention.wq, self.attention.wk, self.attention.wv) + (() if self.moe else (ff.w1,)):
+        ff, attn = self.feed_forward, self.attention
+        # The order of the draws is fixed (a seed fixes the weights of every existing flavor).
+        first = (attn.wq, attn.wk, attn.wv) if not self.linear else ()
+        for lin in first + (() if self.moe else (ff.w1,)):
             nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
-        for lin in (self.attention.wo,) + (() if self.moe else (ff.w2, ff.w3)):
+        for lin in ((attn.wo,) if not self.linear else ()) + (() if self.moe else (ff.w2, ff.w3)):
             nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
         if self.moe:
             ff.init_weights(std, out_std)
-        for norm in (self.attention_norm, self.ffn_norm, self.attention.q_norm, self.attention.k_norm):
+        if self.linear:
+            attn.init_weights(std, out_std)
+        if self.shared_expert is not None:
+            for lin, s in ((self.shared_expert.w1, std), (self.shared_expert_gate, std), (self.shared_expert.w2, out_std),
+                           (self.shared_expert.w3, out_std)):
+                nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
+        norms = [self.attention_norm, self.ffn_norm]
+        norms += [] if self.linear else [attn.q_norm, attn.k_norm]
+        for norm in norms:
             if norm is not None:
                 norm.reset_parameters()
 
@@ -284,8 +360,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index keeps FQNs stable when layers are wrapped (AC, compile, FSDP).
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, self.backend) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.has_linear = bool(args.linear_layers())
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.router_stats: list[RouterStats] = []  # the last forward's, one per MoE layer
@@ -340,6 +417,9 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.args, input_ids.device), h.dtype,
                                 rope_attention_factor(self.args))
         mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens, h.dtype)
+        if self.has_linear and mask.cu_seqlens is not None:  # Gated DeltaNet: where each document starts
+            cu = mask.cu_seqlens.long()
+            mask.doc_position = (torch.arange(b * t, device=cu.device) - cu[:-1][segment_ids(cu, b * t)]).view(b, t)
         stats = []
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)

@@ -1,0 +1,21 @@
+"""The qwen3_5_moe family: Qwen3.5's hybrid decoder with routed experts and a sigmoid-gated shared expert (``models.moe``), its MoE flavors, HF ``qwen3_5_moe_text`` checkpoints (and the language model of multimodal ``qwen3_5_moe`` ones)."""
+
+from titan_sft.families import standard_components
+from titan_sft.models.hf_adapter import StateDictAdapter
+from titan_sft.models.qwen3_5 import QWEN3_5_MOE_FLAVORS
+from titan_sft.models.transformer import Transformer
+from titan_sft.parallel import parallelize_transformer
+from titan_sft.parallel.tensor_parallel import decoder_tp_plan
+from titan_sft.registry import TrainSpec, register_train_spec
+
+register_train_spec(TrainSpec(
+    name="qwen3_5_moe",
+    model_cls=Transformer,
+    flavors=QWEN3_5_MOE_FLAVORS,
+    hf_model_type="qwen3_5_moe_text",
+    hf_architecture="Qwen3_5MoeForCausalLM",
+    state_dict_adapter=StateDictAdapter,
+    parallelize_fn=parallelize_transformer,
+    tp_plan_fn=lambda: decoder_tp_plan(qk_norm=True),  # Gated DeltaNet blocks get their own (block_plan_for)
+    **standard_components(),
+))

@@ -1,0 +1,270 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3.5's hybrid decoder, in plain PyTorch.
+
+Per value head the layer keeps a state ``S`` of shape ``[d_k, d_v]`` and, token by token (the gated delta rule),
+
+    S_t = exp(g_t) * S_{t-1} + beta_t * k_t (v_t - exp(g_t) * S_{t-1}^T k_t)^T,        o_t = S_t^T q_t / sqrt(d_k)
+
+with ``k``, ``q`` L2-normalised, ``beta = sigmoid(b)`` the write strength and ``g = -exp(A_log) * softplus(a +
+dt_bias)`` the log decay. q, k and v come out of a depthwise causal convolution (kernel 4, SiLU) over their
+projections; each key head serves ``n_v_heads / n_k_heads`` consecutive value heads; the output passes a gated
+RMSNorm (gate ``z``) and ``out_proj``. transformers' ``Qwen3_5GatedDeltaNet`` defines the numbers this module
+reproduces (its fused ``in_proj_qkv`` and ``conv1d`` are split here into q, k and v parts, so that tensor parallel
+can shard heads; ``models.hf_adapter`` joins them on export).
+
+Packed rows: a document boundary restarts both the recurrent state and the convolution's window (a token never
+reads the previous document's last ``kernel - 1`` tokens). The torch path lays documents out chunk-aligned and
+clears the state at each document's first chunk; on CUDA with flash-linear-attention (``fla-core``) installed,
+its chunked kernel takes the same boundaries as ``cu_seqlens``.
+
+:func:`chunk_gated_delta_rule` is the reference (fp32, chunks of 64 tokens, runs everywhere);
+:func:`gated_delta_rule_flops` counts its work for MFU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK = 64  # tokens per chunk of the torch delta rule (and of fla's kernel)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a parameter sharded by tensor parallel (a DTensor); the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dimension (the eps placement transformers and fla use)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           reset: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+    """The gated delta rule over whole rows, computed chunk by chunk (the WY/UT form), in fp32.
+
+    Args:
+        q, k: [B, T, H, d_k], already L2-normalised and with one head per value head.
+        v: [B, T, H, d_v].
+        g: [B, T, H] log decay (<= 0); beta: [B, T, H] write strength.
+        reset: optional bool [B, T / chunk]: clear the state before that chunk (a document starts there). T must
+            then be a multiple of ``chunk``.
+    Returns:
+        [B, T, H, d_v] in q's dtype.
+    """
+    dtype = q.dtype
+    b, t, h, dk = k.shape
+    pad = (-t) % chunk
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # heads before time
+    q = q * dk**-0.5
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (t + pad) // chunk
+    q, k, v = (x.reshape(b, h, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+    decay = g.cumsum(-1)  # log of the decay from the chunk's start to each position
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay from position j to position i of a chunk, zero above the diagonal (j after i)
+    pair = (decay[..., :, None] - decay[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    kb = k * beta[..., None]
+    # Within a chunk the delta rule's writes depend on each other through a unit lower-triangular system
+    # (I + strict_lower(beta K K^T * pair)); solving it once turns the chunk's writes into two matmuls.
+    system = (kb @ k.transpose(-1, -2)) * pair
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * decay.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * pair  # intra-chunk attention, causal with decay
+    q_dec = q * decay.exp()[..., None]  # queries reading the state carried into the chunk
+    k_dec = k * (decay[..., -1:] - decay).exp()[..., None]  # keys as they enter the state at the chunk's end
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    keep = None if reset is None else (~reset).to(q.dtype).view(b, 1, n, 1, 1)
+    state = q.new_zeros(b, h, dk, v.shape[-1])
+    out = []
+    for i in range(n):
+        if keep is not None:
+            state = state * keep[:, :, i]
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out.append(q_dec[:, :, i] @ state + scores[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(out, dim=2).reshape(b, h, n * chunk, -1)[:, :, :t]
+    return o.transpose(1, 2).to(dtype)
+
+
+def document_layout(cu_seqlens: torch.Tensor, total: int, chunk: int = CHUNK):
+    """Where each of ``total`` packed tokens goes when every document starts on a chunk boundary.
+
+    Returns (dest [total] long: the token's slot, length: slots in all, reset [length / chunk] bool: chunks where a
+    document starts, position [total] long: the token's index within its document).
+    """
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    slots = (lengths + chunk - 1) // chunk * chunk
+    start = torch.cumsum(slots, 0) - slots
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=total)
+    position = torch.arange(total, device=cu.device) - cu[:-1][doc]
+    dest = start[doc] + position
+    length = int(slots.sum())
+    reset = torch.zeros(length // chunk, dtype=torch.bool, device=cu.device)
+    reset[(start[lengths > 0] // chunk)] = True
+    return dest, length, reset, position
+
+
+@torch.compiler.disable  # data-dependent layout (documents' lengths): run eagerly under per-block compile
+def packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The torch delta rule over packed rows [B, T, ...] whose documents ``cu_seqlens`` marks (over B * T): each
+    document is computed as if alone (the state restarts at its first token)."""
+    b, t = q.shape[:2]
+    dest, length, reset, _ = document_layout(cu_seqlens, b * t)
+
+    def spread(x):  # [B, T, ...] -> [1, length, ...], each document from a chunk start, zeros between
+        flat = x.reshape(b * t, *x.shape[2:])
+        return flat.new_zeros(length, *x.shape[2:]).index_copy(0, dest, flat).unsqueeze(0)
+
+    out = chunk_gated_delta_rule(*(spread(x) for x in (q, k, v, g, beta)), reset=reset.unsqueeze(0))
+    return out[0].index_select(0, dest).reshape(b, t, *out.shape[2:])
+
+
+_FLA_NOTICE = False
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
+    """flash-linear-attention's chunked kernel (CUDA): rows flattened into one sequence with ``cu_seqlens``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    b, t = q.shape[:2]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+    flat = [x.reshape(1, b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    out, _ = fla_chunk(*flat, cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=False)
+    return out.reshape(b, t, *out.shape[2:])
+
+
+def gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Dispatch: fla's kernel on CUDA where installed (one notice where not), else the torch reference."""
+    global _FLA_NOTICE
+    if q.is_cuda:
+        if fla_available():
+            return _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        if not _FLA_NOTICE:
+            _FLA_NOTICE = True
+            import logging
+
+            logging.getLogger("titan_sft").warning(
+                "[init] Gated DeltaNet runs torch's chunked delta rule: install fla-core (pip install "
+                "'titan_sft[gpu]') for flash-linear-attention's kernels")
+    if cu_seqlens is None:
+        return chunk_gated_delta_rule(q, k, v, g, beta)
+    return packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+
+
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(causal depthwise conv1d) over time. x: [B, T, C]; weight: [C, 1, K]; ``position`` [B, T] (each
+    token's index within its document, None: one document per row) keeps the window inside the document."""
+    ksize, t = weight.shape[-1], x.shape[1]
+    w = weight.squeeze(1).to(x.dtype)
+    xp = F.pad(x, (0, 0, ksize - 1, 0))
+    out = None
+    for lag in range(ksize):  # tap ksize-1-lag reads the token `lag` steps back
+        term = xp[:, ksize - 1 - lag: ksize - 1 - lag + t] * w[:, ksize - 1 - lag]
+        if position is not None and lag:
+            term = term * (position >= lag).unsqueeze(-1).to(x.dtype)
+        out = term if out is None else out + term
+    return F.silu(out)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, then times SiLU(z): weight * norm(x) in x's dtype, the gate in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(z.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer. Parameter names follow transformers' except the split q/k/v parts."""
+
+    def __init__(self, dim: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
+                 conv_kernel: int, eps: float):
+        super().__init__()
+        if n_v_heads % n_k_heads:
+            raise ValueError(f"linear attention: {n_v_heads} value heads are not a multiple of {n_k_heads} key heads")
+        self.n_k_heads, self.n_v_heads = n_k_heads, n_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        key_dim, value_dim = n_k_heads * k_head_dim, n_v_heads * v_head_dim
+        self.in_proj_q = nn.Linear(dim, key_dim, bias=False)
+        self.in_proj_k = nn.Linear(dim, key_dim, bias=False)
+        self.in_proj_v = nn.Linear(dim, value_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, n_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, n_v_heads, bias=False)
+        # depthwise conv weights [channels, 1, kernel], as nn.Conv1d keeps them
+        self.conv_q = nn.Parameter(torch.empty(key_dim, 1, conv_kernel))
+        self.conv_k = nn.Parameter(torch.empty(key_dim, 1, conv_kernel))
+        self.conv_v = nn.Parameter(torch.empty(value_dim, 1, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(n_v_heads))
+        self.A_log = nn.Parameter(torch.empty(n_v_heads))
+        self.norm = GatedRMSNorm(v_head_dim, eps)
+        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """x: [B, T, dim] -> [B, T, dim]. ``position`` [B, T]: index within the document (None: whole rows);
+        ``cu_seqlens``: the documents over the flattened rows (None: one per row). Under tensor parallel the
+        projections give this rank's heads, and every per-head parameter is its local part."""
+        b, t, _ = x.shape
+        q = causal_depthwise_conv(self.in_proj_q(x), _local(self.conv_q), position)
+        k = causal_depthwise_conv(self.in_proj_k(x), _local(self.conv_k), position)
+        v = causal_depthwise_conv(self.in_proj_v(x), _local(self.conv_v), position)
+        q = l2_normalize(q.view(b, t, -1, self.k_head_dim).float())
+        k = l2_normalize(k.view(b, t, -1, self.k_head_dim).float())
+        v = v.view(b, t, -1, self.v_head_dim)
+        group = v.shape[2] // q.shape[2]  # value heads per key head (consecutive)
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + _local(self.dt_bias))
+        o = gated_delta_rule(q, k, v, g, beta, cu_seqlens).to(x.dtype)
+        z = self.in_proj_z(x).view(b, t, -1, self.v_head_dim)
+        o = self.norm(o, z)
+        return self.out_proj(o.reshape(b, t, -1))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin in (self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+            nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.out_proj.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        bound = 1 / math.sqrt(self.conv_q.shape[-1])  # nn.Conv1d's default for a depthwise kernel
+        for w in (self.conv_q, self.conv_k, self.conv_v):
+            nn.init.uniform_(w, -bound, bound)
+        nn.init.ones_(self.dt_bias)
+        with torch.no_grad():  # decay rates A in [0.01, 16], as transformers initialises them
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+        self.norm.reset_parameters()
+
+
+def gated_delta_rule_flops(seq_len: int, n_v_heads: int, k_head_dim: int, v_head_dim: int,
+                           chunk: int = CHUNK) -> float:
+    """Forward FLOPs per token of the chunked delta rule (matmuls only, 2 per multiply-add), per layer.
+
+    Per chunk of C tokens and head: K K^T and Q K^T (2 * C^2 d_k each), the two triangular solves (C^2 (d_v + d_k)),
+    the intra-chunk output (2 * C^2 d_v), and the state's read, correction and write (3 * 2 * C d_k d_v).
+    """
+    c = min(chunk, max(seq_len, 1))
+    per_chunk = 4 * c * c * k_head_dim + c * c * (v_head_dim + k_head_dim) + 2 * c * c * v_head_dim
+    per_chunk += 6 * c * k_head_dim * v_head_dim
+    return n_v_heads * per_chunk / c
