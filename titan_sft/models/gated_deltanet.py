@@ -44,7 +44,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            reset: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
-    """The gated delta rule over whole rows, computed chunk by chunk (the WY/UT form), in fp32.
+    """The gated delta rule over whole rows, computed chunk by chunk (the WY/UT form), in fp32 (or fp64).
 
     Args:
         q, k: [B, T, H, d_k], already L2-normalised and with one head per value head.
@@ -58,7 +58,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     dtype = q.dtype
     b, t, h, dk = k.shape
     pad = (-t) % chunk
-    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # heads before time
+    ctype = torch.promote_types(q.dtype, torch.float32)  # fp32 at least (fp64 for reference checks)
+    q, k, v, g, beta = (x.transpose(1, 2).to(ctype) for x in (q, k, v, g, beta))  # heads before time
     q = q * dk**-0.5
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -168,6 +169,9 @@ def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, position: torch
     """SiLU(causal depthwise conv1d) over time. x: [B, T, C]; weight: [C, 1, K]; ``position`` [B, T] (each
     token's index within its document, None: one document per row) keeps the window inside the document."""
     ksize, t = weight.shape[-1], x.shape[1]
+    if position is None:  # whole rows: conv1d itself (the same arithmetic as transformers' reference path)
+        out = F.conv1d(x.transpose(1, 2), weight.to(x.dtype), padding=ksize - 1, groups=x.shape[-1])[..., :t]
+        return F.silu(out.transpose(1, 2))
     w = weight.squeeze(1).to(x.dtype)
     xp = F.pad(x, (0, 0, ksize - 1, 0))
     out = None

@@ -1,0 +1,214 @@
+"""Qwen3.5 (dense and MoE): the native hybrid decoder equals transformers' (logits, gradients, parameter counts),
+its Gated DeltaNet equals the token-by-token recurrence, packed documents stay isolated (the recurrent state and
+the conv window restart), and HF directories round-trip bit for bit."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_sft.models import build_model, load_hf
+from titan_sft.models import gated_deltanet as gd
+from titan_sft.models.attention import positions_from_cu_seqlens
+from titan_sft.models.hf_adapter import StateDictAdapter, hf_config_from_args
+from titan_sft.registry import get_train_spec
+
+VOCAB = 96
+# A layer pattern other than transformers' default (full attention at 1, not 3), more value than key heads, value
+# heads wider than key heads, and a head_dim whose quarter (4) is the rotary part.
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+               linear_num_value_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"])
+
+
+def _hf(kind: str, path, tied: bool = False):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    if kind == "moe":
+        cfg = Qwen3_5MoeTextConfig(**_COMMON, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                   num_experts=4, num_experts_per_tok=2, tie_word_embeddings=tied)
+        model = Qwen3_5MoeForCausalLM(cfg)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_COMMON, intermediate_size=80, tie_word_embeddings=tied))
+    with torch.no_grad():  # non-trivial norm weights (the offset norms start at 0)
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0, 0.2)
+    model.float().eval().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "dense_tied"])
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return _hf(request.param.removesuffix("_tied"), path, tied=request.param.endswith("tied")), path
+
+
+def test_logits_equal_transformers_plain_and_packed(pair):
+    hf, path = pair
+    model = load_hf(path)
+    x = torch.randint(0, VOCAB, (2, 150))  # > 2 chunks of the delta rule, not a multiple of 64
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max().item() < 1e-5
+        lens = [70, 1, 64, 15]  # a one-token document, one of exactly a chunk, ragged others
+        row = torch.randint(0, VOCAB, (1, sum(lens)))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        out = model(row, cu_seqlens=cu, positions=positions_from_cu_seqlens(cu, row.shape[1], reset=True))
+        for i in range(len(lens)):
+            ref = hf(row[:, cu[i]:cu[i + 1]]).logits
+            assert (out[:, cu[i]:cu[i + 1]] - ref).abs().max().item() < 1e-5, i
+
+
+def test_gradients_equal_transformers(pair):
+    """Every gradient within 1e-5 relative of transformers', but the decay rates' (A_log, dt_bias; in_proj_a,
+    which feeds them, within 1e-4): their
+    gradients sum exp(cumulative decay) terms over whole chunks, and 1e-7 changes of the inputs move them by up to
+    1e-3 relative in fp32 (transformers' own fp32 gradient is 1e-4 from an fp64 evaluation; the exact check of the
+    delta rule is the fp64 one below)."""
+    hf, path = pair
+    model = load_hf(path)
+    x, y = torch.randint(0, VOCAB, (2, 100)), torch.randint(0, VOCAB, (2, 100))
+    F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).backward()
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    ours = StateDictAdapter(model.args).to_hf({n: p.grad for n, p in model.named_parameters()})
+    ref = {n: p.grad for n, p in hf.named_parameters()}
+    if "model.layers.0.mlp.experts.gate_up_proj" in ref:  # transformers fuses the experts in memory
+        for n in [n for n in ref if n.endswith("experts.gate_up_proj")]:
+            g = ref.pop(n)
+            for j in range(g.shape[0]):
+                up, gate = g[j].chunk(2)[1], g[j].chunk(2)[0]
+                ref[n.replace("gate_up_proj", f"{j}.gate_proj.weight")] = gate
+                ref[n.replace("gate_up_proj", f"{j}.up_proj.weight")] = up
+        for n in [n for n in ref if n.endswith("experts.down_proj")]:
+            g = ref.pop(n)
+            ref.update({n.replace("down_proj", f"{j}.down_proj.weight"): g[j] for j in range(g.shape[0])})
+    assert set(ours) <= set(ref)
+    for name, g in ours.items():
+        rel = ((g - ref[name]).norm() / ref[name].norm()).item()
+        bound = 2e-3 if name.endswith(("A_log", "dt_bias")) else 1e-4 if "in_proj_a" in name else 1e-5
+        assert rel < bound, (name, rel)
+
+
+def _recurrence(q, k, v, g, beta, starts):
+    """The gated delta rule token by token (fp64), the state cleared where a document starts."""
+    b, t, h, dk = k.shape
+    state = q.new_zeros(b, h, dk, v.shape[-1])
+    out = []
+    for i in range(t):
+        if i in starts:
+            state = state * 0
+        state = state * g[:, i].exp()[..., None, None]
+        kt, vt, bt = k[:, i], v[:, i], beta[:, i][..., None]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, state)
+        state = state + torch.einsum("bhk,bhv->bhkv", kt, bt * (vt - pred))
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, i] * dk**-0.5, state))
+    return torch.stack(out, 1)
+
+
+def _delta_inputs(t, h=3, dk=8, dv=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (gd.l2_normalize(torch.randn(1, t, h, dk, generator=gen, dtype=torch.float64)) for _ in range(2))
+    v = torch.randn(1, t, h, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, t, h, generator=gen, dtype=torch.float64) * 2  # decays down to exp(-2) per token
+    beta = torch.rand(1, t, h, generator=gen, dtype=torch.float64)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def test_chunked_delta_rule_equals_the_recurrence_in_fp64_forward_and_backward():
+    inputs = _delta_inputs(150)
+    ref = _recurrence(*inputs, starts={0})
+    out = gd.chunk_gated_delta_rule(*inputs, chunk=64)
+    assert out.dtype == torch.float64 and (out - ref).abs().max().item() < 1e-12
+    grads = torch.autograd.grad(out.pow(2).sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), inputs)
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max().item() < 1e-10
+    # packed: documents of 70, 1, 64 and 15 tokens, each restarting the state
+    cu = torch.tensor([0, 70, 71, 135, 150], dtype=torch.int32)
+    packed = gd.packed_gated_delta_rule(*inputs, cu_seqlens=cu)
+    ref = _recurrence(*inputs, starts=set(cu[:-1].tolist()))
+    assert (packed - ref).abs().max().item() < 1e-12
+
+
+def test_packed_documents_are_isolated_and_a_leaking_conv_fails():
+    """Each document of a packed row equals that document alone (1e-6) through a whole Gated DeltaNet layer, and
+    changing one document changes no other by a bit;
+    the conv reading across the boundary (its window ignoring the document start) breaks it."""
+    torch.manual_seed(0)
+    layer = gd.GatedDeltaNet(32, n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=6, conv_kernel=4, eps=1e-6)
+    layer.init_weights(0.2, 0.2)
+    lens = [40, 3, 64, 21]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.randn(1, sum(lens), 32)
+    pos = (torch.arange(sum(lens)) - cu[:-1].long().repeat_interleave(torch.tensor(lens))).unsqueeze(0)
+    with torch.no_grad():
+        packed = layer(x, pos, cu)
+        for i in range(len(lens)):
+            a, b = int(cu[i]), int(cu[i + 1])
+            alone = layer(x[:, a:b], torch.arange(b - a).unsqueeze(0), cu[:2] * 0 + torch.tensor([0, b - a]).int())
+            assert (packed[:, a:b] - alone).abs().max().item() < 1e-6, i  # matmuls of other sizes: last bits
+        changed = x.clone()
+        changed[:, :40] = torch.randn(1, 40, 32)
+        assert torch.equal(layer(changed, pos, cu)[:, 40:], packed[:, 40:])  # other documents: bit for bit
+        leaky = layer(x, None, cu)  # the conv window crosses documents; the state still restarts
+        assert not torch.allclose(leaky[:, 40:43], packed[:, 40:43], atol=1e-4)
+        assert (leaky[:, :40] - packed[:, :40]).abs().max().item() < 1e-6  # the first document reads no other
+
+
+def test_the_startup_isolation_check_covers_linear_attention(monkeypatch):
+    from titan_sft.startup_checks import StartupCheckError, check_document_isolation
+
+    torch.manual_seed(0)
+    model = build_model(get_train_spec("qwen3_5").flavors["debug"], "cpu")
+    model.init_weights()
+    check_document_isolation(model, 512, 256, torch.device("cpu"), "sdpa")
+    conv = gd.causal_depthwise_conv
+    monkeypatch.setattr(gd, "causal_depthwise_conv", lambda x, w, position: conv(x, w, None))
+    with pytest.raises(StartupCheckError, match="document 2's hidden states changed"):
+        check_document_isolation(model, 512, 256, torch.device("cpu"), "sdpa")
+    monkeypatch.setattr(gd, "causal_depthwise_conv", conv)
+    monkeypatch.setattr(gd, "packed_gated_delta_rule", lambda q, k, v, g, beta, cu: gd.chunk_gated_delta_rule(
+        q, k, v, g, beta))  # the state runs on across the boundary
+    with pytest.raises(StartupCheckError, match="document 2's hidden states changed"):
+        check_document_isolation(model, 512, 256, torch.device("cpu"), "sdpa")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_parameter_counts_equal_transformers_for_every_flavor(family):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    spec = get_train_spec(family)
+    cls, cfg_cls = ((Qwen3_5ForCausalLM, Qwen3_5TextConfig) if family == "qwen3_5"
+                    else (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig))
+    for flavor, args in spec.flavors.items():
+        cfg = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture)
+        with torch.device("meta"):
+            hf = cls(cfg_cls(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}))
+        n_hf = sum(p.numel() for p in hf.parameters())
+        assert sum(p.numel() for p in build_model(args).parameters()) == n_hf == args.num_params(), flavor
+
+
+def test_hf_directory_round_trips_bitwise_and_transformers_reloads_the_export(pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf, path = pair
+    model = load_hf(path)
+    spec = get_train_spec("qwen3_5_moe" if model.args.n_experts else "qwen3_5")
+    out = StateDictAdapter(model.args).to_hf(model.state_dict())
+    src = load_file(str(path / "model.safetensors"))
+    if model.args.tie_embeddings:
+        src.pop("lm_head.weight", None)
+    assert out.keys() == src.keys() and all(torch.equal(out[k], src[k]) for k in src)
+    (tmp_path / "back").mkdir()
+    save_file({k: v.contiguous() for k, v in out.items()}, str(tmp_path / "back" / "model.safetensors"))
+    cfg = hf_config_from_args(model.args, spec.hf_model_type, spec.hf_architecture, torch.float32)
+    (tmp_path / "back" / "config.json").write_text(json.dumps(cfg))
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    x = torch.randint(0, VOCAB, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, hf(x).logits)
