@@ -24,8 +24,8 @@ import torch
 
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.constants import DTYPES
-from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, args_from_hf_config, expert_hf_names, hf_config_from_args,
-                                         native_to_hf_name, routing_bias_layer)
+from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, args_from_hf_config, expert_hf_names, fused_slot,
+                                         hf_config_from_args, native_to_hf_name, routing_bias_layer)
 from titan_sft.models.hf_checkpoint import read_config, read_routing_bias, safetensors_files, tensor_shapes
 from titan_sft.models.transformer import TransformerArgs
 from titan_sft.registry import TrainSpec
@@ -137,6 +137,8 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     state = {k: v for k, v in model_state(model).items() if not is_adapter_key(k)}
     # Stacked experts are read apart: each rank copies the experts of its own shard from the per-expert tensors.
     experts = {k: state.pop(k) for k in list(state) if expert_hf_names(k, args.n_experts)}
+    # Row blocks of one HF tensor (Gated DeltaNet's q/k/v) likewise: each rank reads the rows of its own shard.
+    fused = {k: state.pop(k) for k in list(state) if fused_slot(k, args)}
     hf_state = adapter.to_hf(state)
     shapes = hf_tensor_shapes(path)
     for name, tensor in hf_state.items():
@@ -153,12 +155,51 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     set_model_state_dict(model, with_aliases(model, adapter.from_hf(hf_state)), options=StateDictOptions(strict=False))
     if experts:
         _load_expert_shards(experts, args, path, shapes)
+    if fused:
+        _load_fused_rows(fused, args, path, shapes)
     biases = read_routing_bias(resolve_hf_dir(path), args) if args.router_bias else None
     held = {unwrapped_name(n): b for n, b in model.named_buffers()}  # a pipeline stage holds some layers only
     with torch.no_grad():
         for name, values in (biases or {}).items():
             if name in held:
                 held[name].copy_(values)
+
+
+def _local_part(param):
+    """(local tensor, its global shape, its offset) of a parameter, sharded (DTensor) or not."""
+    from torch.distributed.tensor import DTensor
+
+    from titan_sft.compat import local_shape_and_offset
+
+    if isinstance(param, DTensor):
+        shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
+        return param.to_local(), shape, offset
+    return param, tuple(param.shape), (0,) * param.ndim
+
+
+def _load_fused_rows(fused: dict, args: TransformerArgs, path, shapes: dict) -> None:
+    """Copies each rank's part of the native tensors that are row blocks of one HF tensor (``fused_slot``)."""
+    from safetensors import safe_open
+
+    where = {}
+    for file in hf_safetensors_files(resolve_hf_dir(path)):
+        with safe_open(str(file), framework="pt") as f:
+            where.update({k: file for k in f.keys()})
+    with torch.no_grad():
+        for name, param in fused.items():
+            hf, start, rows = fused_slot(name, args)
+            if hf not in where:
+                raise ValueError(f"{path}: the checkpoint lacks tensor '{hf}'")
+            if shapes[hf][0] < start + rows or shapes[hf][1:] != tuple(param.shape[1:]):
+                raise ValueError(f"{path}: tensor '{hf}' has shape {shapes[hf]}, the model expects rows "
+                                 f"{start}:{start + rows} of shape {tuple(param.shape)}")
+            local, shape, offset = _local_part(param)
+            if local.numel() == 0:
+                continue
+            index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            index = (slice(start + offset[0], start + offset[0] + shape[0]),) + index[1:]
+            with safe_open(str(where[hf]), framework="pt") as f:
+                local.copy_(f.get_slice(hf)[index])
 
 
 def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict) -> None:

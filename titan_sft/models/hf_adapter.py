@@ -29,10 +29,10 @@ _LAYER_MAP = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.router.gate.weight": "mlp.gate.weight",  # mixture of experts: the router
     # Qwen3.5-MoE's shared expert and its gate
-    "shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
-    "shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
+    "feed_forward.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared_expert.gate.weight": "mlp.shared_expert_gate.weight",
     # Gated DeltaNet (Qwen3.5's linear attention); its q/k/v projections and convs are FUSED parts below
     "attention.in_proj_z.weight": "linear_attn.in_proj_z.weight",
     "attention.in_proj_b.weight": "linear_attn.in_proj_b.weight",
@@ -221,7 +221,7 @@ def expected_native_names(args: TransformerArgs) -> list[str]:
                 continue
             if (key in _DENSE_MLP and i in moe) or (key.startswith("feed_forward.router") and i not in moe):
                 continue
-            if key.startswith("shared_expert") and not (i in moe and args.shared_expert_ffn_dim):
+            if key.startswith("feed_forward.shared_expert") and not (i in moe and args.shared_expert_ffn_dim):
                 continue
             names.append(f"layers.{i}.{key}")
         if i in moe:

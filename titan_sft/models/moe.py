@@ -182,16 +182,36 @@ class GroupedExperts(nn.Module):
             nn.init.trunc_normal_(w, std=out_std, a=-3 * out_std, b=3 * out_std)
 
 
+class SharedExpert(nn.Module):
+    """Qwen3.5-MoE's shared expert: a SwiGLU MLP every token passes, scaled by sigmoid(gate(x)) (transformers'
+    ``shared_expert`` and ``shared_expert_gate``)."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate_proj
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down_proj
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up_proj
+        self.gate = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin, s in ((self.w1, std), (self.gate, std), (self.w2, out_std), (self.w3, out_std)):
+            nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
+
+
 class MoE(nn.Module):
-    """Router + experts; ``forward(x [B, T, dim]) -> (out [B, T, dim], selections per expert [E], router
-    probability sums [E], z-loss sum)``: plain tensors, so a compiled block returns them (:class:`RouterStats` is
-    built by the caller)."""
+    """Router + experts (+ a shared expert where ``shared_ffn_dim``); ``forward(x [B, T, dim]) -> (out [B, T, dim],
+    selections per expert [E], router probability sums [E], z-loss sum)``: plain tensors, so a compiled block
+    returns them (:class:`RouterStats` is built by the caller)."""
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool,
-                 impl: str = "auto", freeze_router: bool = False, router_bias: bool = False):
+                 impl: str = "auto", freeze_router: bool = False, router_bias: bool = False, shared_ffn_dim: int = 0):
         super().__init__()
         self.router = Router(dim, n_experts, top_k, norm_topk_prob, freeze_router, router_bias)
         self.experts = GroupedExperts(dim, ffn_dim, n_experts)
+        self.shared_expert = SharedExpert(dim, shared_ffn_dim) if shared_ffn_dim else None
         self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
         # Expert parallel replaces this (parallel.expert_parallel): (experts, rows sorted by expert, rows per
         # expert [E], impl) -> expert outputs in the same order, computed wherever the experts live.
@@ -212,14 +232,18 @@ class MoE(nn.Module):
             impl = "grouped" if grouped_mm_available(x.dtype, x.device) else "loop"
         run = self.dispatch or (lambda experts, rows, n, how: experts(rows, n, how))
         y = run(self.experts, flat[token_of], counts, impl) * top_p.reshape(-1)[order, None]
-        out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype))
-        return out.reshape(shape), counts.detach().float(), probs.sum(0), z_sum
+        out = torch.zeros_like(flat).index_add_(0, token_of, y.to(flat.dtype)).reshape(shape)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return out, counts.detach().float(), probs.sum(0), z_sum
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, std=std, a=-3 * std, b=3 * std)
         if self.router.expert_bias is not None:
             self.router.expert_bias.zero_()
         self.experts.init_weights(std, out_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(std, out_std)
 
 
 def moe_layer_ids(n_layers: int, n_experts: int, decoder_sparse_step: int, mlp_only_layers) -> list[int]:

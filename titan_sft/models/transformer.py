@@ -273,7 +273,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: a token mixer (full attention, or Gated DeltaNet where ``args.layer_types`` says
     ``linear_attention``) and an MLP (dense SwiGLU, or routed experts, with a sigmoid-gated shared expert where
-    ``args.shared_expert_ffn_dim`` is set)."""
+    ``args.shared_expert_ffn_dim`` is set: ``models.moe``)."""
 
     def __init__(self, layer_id: int, args: TransformerArgs, backend: AttentionBackend):
         super().__init__()
@@ -286,11 +286,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.moe = layer_id in args.moe_layers()
         self.feed_forward = (MoE(args.dim, args.moe_ffn_dim, args.n_experts, args.n_experts_per_tok,
-                                 args.norm_topk_prob, args.moe_impl, args.freeze_router, args.router_bias)
+                                 args.norm_topk_prob, args.moe_impl, args.freeze_router, args.router_bias,
+                                 args.shared_expert_ffn_dim)
                              if self.moe else FeedForward(args.dim, args.ffn_dim))
-        shared = self.moe and args.shared_expert_ffn_dim > 0
-        self.shared_expert = FeedForward(args.dim, args.shared_expert_ffn_dim) if shared else None
-        self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -301,10 +299,7 @@ class TransformerBlock(nn.Module):
         else:
             h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         if self.moe:
-            hn = self.ffn_norm(h)
-            out, *stats = self.feed_forward(hn)
-            if self.shared_expert is not None:
-                out = out + torch.sigmoid(self.shared_expert_gate(hn)) * self.shared_expert(hn)
+            out, *stats = self.feed_forward(self.ffn_norm(h))
             return h + out, *stats
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -322,10 +317,6 @@ class TransformerBlock(nn.Module):
             ff.init_weights(std, out_std)
         if self.linear:
             attn.init_weights(std, out_std)
-        if self.shared_expert is not None:
-            for lin, s in ((self.shared_expert.w1, std), (self.shared_expert_gate, std), (self.shared_expert.w2, out_std),
-                           (self.shared_expert.w3, out_std)):
-                nn.init.trunc_normal_(lin.weight, std=s, a=-3 * s, b=3 * s)
         norms = [self.attention_norm, self.ffn_norm]
         norms += [] if self.linear else [attn.q_norm, attn.k_norm]
         for norm in norms:

@@ -133,14 +133,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     block's FSDP module (a second parameter group, FSDP2's per-parameter mesh, torch >= 2.13), so no FSDP hook sits
     inside the block and a compiled block has no graph break there; an older torch gets them as FSDP modules of
     their own on the same meshes (same shards and gradient sums; no compile then, ``check_expert_parallel``).
-    Under tp (``moe_mesh``) the routers, and the experts
+    Under tp (``moe_mesh``) the routers (and shared experts), and the experts
     without ep, are sharded over the data-parallel x tp ranks the same way: every tp rank trains them on its
     own tokens, and the reduce-scatter sums their gradients over tp.
     A pipeline stage is sharded the same way: keeping its blocks gathered between its microbatches' forwards and
     backwards (torchtitan's default under PP) would save their all-gathers but hold the stage's bf16 weights whole
     (Llama-70B's 21-layer pp rank: 36 GB).
     """
-    from titan_sft.models.moe import GroupedExperts, Router
+    from titan_sft.models.moe import GroupedExperts, Router, SharedExpert
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     experts_mesh = experts_mesh if experts_mesh is not None else moe_mesh
@@ -149,7 +149,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     n = len(model.layers)
     for i, block in enumerate(model.layers.values()):
         # The MoE's parameters on their own mesh: (module, mesh) for each router and expert group.
-        own = [(m, moe_mesh) for m in block.modules() if isinstance(m, Router) and moe_mesh is not None]
+        own = [(m, moe_mesh) for m in block.modules() if isinstance(m, (Router, SharedExpert)) and moe_mesh is not None]
         own += [(m, experts_mesh) for m in block.modules() if isinstance(m, GroupedExperts) and experts_mesh is not None]
         # The last block's params are needed first in backward: keep them gathered after forward.
         reshard = i < n - 1

@@ -17,6 +17,12 @@ load-balancing loss needs the whole rows' router statistics: the objective sums 
 (``Objective.split_router_tokens``). The experts are split across ranks by expert parallel
 (``parallel.expert_parallel``); each tp rank sends its own tokens to its ep peers.
 
+Gated DeltaNet blocks (Qwen3.5's linear attention) shard heads the same way: the q, k, v, z, b and a
+projections column-wise, each rank's depthwise conv channels, decay rates and biases are the matching rows
+(``LinearAttentionInput``), the per-head gated norm keeps a replicated weight (``HeadShardedNorm``), and
+``out_proj`` is row-wise. Key heads are split contiguously and each serves consecutive value heads, so a key head
+and its value heads stay on one rank when tp divides the key heads.
+
 A family's plan is ``(root_plan, block_plan)``: ``{submodule FQN: ParallelStyle}`` for the model and for every
 transformer block; ``families/<name>.py`` builds its own from :func:`decoder_tp_plan`.
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -86,14 +92,64 @@ def token_parallel_moe_style() -> PrepareModuleInput:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)
 
 
+class LinearAttentionInput(PrepareModuleInput):
+    """A Gated DeltaNet mixer's entry: the sequence slices are all-gathered (as for attention), and the mixer's own
+    per-channel and per-head parameters (conv weights, ``A_log``, ``dt_bias``) become DTensors sharded on their
+    first dimension, so each rank holds the rows of its heads (the mixer computes with their local parts)."""
+
+    def __init__(self):
+        super().__init__(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in ("conv_q", "conv_k", "conv_v", "A_log", "dt_bias"):
+            param = getattr(module, name)
+            local = param.chunk(device_mesh.size(), dim=0)[device_mesh.get_local_rank()]
+            module.register_parameter(name, nn.Parameter(
+                DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False), param.requires_grad))
+        return super()._apply(module, device_mesh)
+
+
+class HeadShardedNorm(SequenceParallel):
+    """A norm over each of this rank's heads with a replicated weight, taking several inputs (the gated norm's x
+    and z, heads on dim 2): all enter as DTensors sharded on the head dimension, so the weight's gradient, a
+    partial sum over the local heads, is all-reduced across the tp ranks."""
+
+    def __init__(self):
+        super().__init__(sequence_dim=2, use_local_output=True)
+
+    @staticmethod
+    def _prepare_inputs_fn(sharding, mod, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, sharding, run_check=False) for x in inputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._replicate_module_fn,
+            lambda mod, inputs, mesh: self._prepare_inputs_fn(self.sequence_sharding, mod, inputs, mesh),
+            lambda mod, outputs, mesh: outputs.to_local())
+
+
+def linear_attention_plan() -> dict:
+    """The tp plan of a Gated DeltaNet block's mixer (the rest of the block follows the decoder's plan)."""
+    plan = {"attention": LinearAttentionInput(), "attention.norm": HeadShardedNorm(),
+            "attention.out_proj": RowwiseParallel(output_layouts=Shard(1))}
+    plan.update({f"attention.in_proj_{p}": ColwiseParallel() for p in "qkvzba"})
+    return plan
+
+
 def block_plan_for(block: nn.Module, block_plan: dict) -> dict:
     """``block_plan`` for this block: a block whose MLP is a routed mixture of experts gets
-    :func:`token_parallel_moe_style` in place of the dense MLP's entries."""
+    :func:`token_parallel_moe_style` in place of the dense MLP's entries; a Gated DeltaNet block gets
+    :func:`linear_attention_plan` in place of attention's; a shared expert (Qwen3.5-MoE) runs, like the routed
+    ones, on this rank's sequence slice."""
     from titan_sft.models.moe import MoE
 
+    plan = dict(block_plan)
+    if getattr(block, "linear", False):
+        plan = {k: v for k, v in plan.items() if k != "attention" and not k.startswith("attention.")}
+        plan.update(linear_attention_plan())
     if not isinstance(getattr(block, "feed_forward", None), MoE):
-        return block_plan
-    plan = {k: v for k, v in block_plan.items() if k != "feed_forward" and not k.startswith("feed_forward.")}
+        return plan
+    plan = {k: v for k, v in plan.items() if k != "feed_forward" and not k.startswith("feed_forward.")}
     plan["feed_forward"] = token_parallel_moe_style()
     return plan
 
