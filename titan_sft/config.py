@@ -791,11 +791,16 @@ def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_e
 
 
 def check_context_parallel(cp: int, mode: str, tp: int, n_heads: int, n_kv_heads: int, seq_len: int,
-                           attention: str) -> None:
+                           attention: str, linear_layers: int = 0) -> None:
     """Context parallel cuts every row into equal shards (ring: two chunks per rank), each still divisible by tp
-    for sequence parallel; Ulysses hands each cp rank whole heads of the tp rank's share."""
+    for sequence parallel; Ulysses hands each cp rank whole heads of the tp rank's share. Models with Gated DeltaNet
+    layers (``linear_layers``) are refused: their recurrence and conv would need the whole row or state passing."""
     if cp == 1:
         return
+    if linear_layers:
+        raise ConfigError(f"config key 'parallelism.cp': {cp}, but context parallel does not shard this model's "
+                          f"{linear_layers} linear-attention (Gated DeltaNet) layers: their recurrent state and conv "
+                          "window run over whole rows; set parallelism.cp = 1 (tp and pp shard them)")
     chunks = cp * (2 if mode == "ring" else 1)
     if seq_len % (chunks * tp):
         raise ConfigError(f"config key 'parallelism.cp': {cp} ({mode}{', two chunks per rank' if mode == 'ring' else ''}"
@@ -810,13 +815,18 @@ def check_context_parallel(cp: int, mode: str, tp: int, n_heads: int, n_kv_heads
                           f"varlen kernels take no per-query positions), not '{attention}'; or use 'ulysses'")
 
 
-def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int) -> None:
-    """Tensor parallel splits heads and (sequence parallel) the packed rows evenly across the tp ranks."""
+def check_tensor_parallel(tp: int, n_heads: int, n_kv_heads: int, seq_len: int, linear_k_heads: int = 0) -> None:
+    """Tensor parallel splits heads and (sequence parallel) the packed rows evenly across the tp ranks;
+    ``linear_k_heads``: the key heads of Gated DeltaNet layers (each rank keeps whole key heads with their value
+    heads)."""
     if tp == 1:
         return
     if n_heads % tp or n_kv_heads % tp:
         raise ConfigError(f"config key 'parallelism.tp': {tp} must divide the model's attention heads ({n_heads}) "
                           f"and key/value heads ({n_kv_heads})")
+    if linear_k_heads % tp:
+        raise ConfigError(f"config key 'parallelism.tp': {tp} must divide the linear-attention key heads "
+                          f"({linear_k_heads}): a key head and its value heads stay on one rank")
     if seq_len % tp:
         raise ConfigError(f"config key 'parallelism.tp': {tp} must divide the packed sequence length {seq_len} "
                           "(sequence parallel splits every row)")
