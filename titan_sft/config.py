@@ -23,7 +23,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                # Qwen3.5's Gated DeltaNet projections (transformers' names)
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 class ConfigError(ValueError):

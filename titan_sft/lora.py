@@ -38,6 +38,15 @@ from titan_sft.registry import register_converter
 # HF projection name -> native module path inside a block
 TARGETS = {"q_proj": "attention.wq", "k_proj": "attention.wk", "v_proj": "attention.wv", "o_proj": "attention.wo",
            "gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2"}
+# Targets with more than one native module, or a module only some blocks have: Gated DeltaNet's projections
+# (in_proj_qkv is three natively: each gets its own adapter, exported to PEFT as one block-diagonal adapter of rank
+# 3r on the fused projection) and Qwen3.5-MoE's shared expert (PEFT's gate_proj/up_proj/down_proj match it too).
+EXTRA_TARGETS = {"in_proj_qkv": ("attention.in_proj_q", "attention.in_proj_k", "attention.in_proj_v"),
+                 "in_proj_z": ("attention.in_proj_z",), "in_proj_b": ("attention.in_proj_b",),
+                 "in_proj_a": ("attention.in_proj_a",), "out_proj": ("attention.out_proj",),
+                 "gate_proj": ("feed_forward.shared_expert.w1",), "up_proj": ("feed_forward.shared_expert.w3",),
+                 "down_proj": ("feed_forward.shared_expert.w2",)}
+FUSED_QKV = ("in_proj_q", "in_proj_k", "in_proj_v")  # native parts of in_proj_qkv, in row order
 ADAPTER_KEYS = ("lora_a", "lora_b")
 EXPERT_TARGETS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # HF name -> stacked expert weight
 EXPERT_ADAPTERS_FILE = "expert_adapters.safetensors"
@@ -180,10 +189,11 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
         p.requires_grad_(False)
     names = []
     for i, block in model.layers.items():
-        for hf_name in lo.targets:
-            parent_path, attr = TARGETS[hf_name].rsplit(".", 1)
-            parent = block.get_submodule(parent_path)
-            fqn = f"layers.{i}.{TARGETS[hf_name]}"
+        paths = [p for t in lo.targets for p in ((TARGETS[t],) if t in TARGETS else ()) + EXTRA_TARGETS.get(t, ())]
+        for path in paths:
+            parent_path, attr = path.rsplit(".", 1)
+            parent = _submodule_or_none(block, parent_path)
+            fqn = f"layers.{i}.{path}"
             base = getattr(parent, attr, None)
             if not isinstance(base, nn.Linear):  # an MoE block's MLP: routed experts, adapted below or frozen
                 continue
@@ -202,6 +212,12 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
             if "norm" in name:
                 p.requires_grad_(True)
     return names
+
+
+def _submodule_or_none(module: nn.Module, path: str) -> nn.Module | None:
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return module
 
 
 def is_adapter_key(name: str) -> bool:
@@ -244,9 +260,12 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors, norm_modules, experts = {}, set(), {}
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in state.items():
         if is_expert_adapter_key(name):
             experts[name] = t.contiguous()  # native names: layers.<i>.feed_forward.experts.<w>_lora_<a|b>
+        elif is_adapter_key(name) and name.rsplit(".", 2)[-2] in FUSED_QKV:
+            qkv.setdefault(name.rsplit(".", 2)[0], {})[name.rsplit(".", 2)[-2] + "." + name[-6:]] = t
         elif is_adapter_key(name):
             base = native_to_hf(name[: -len("lora_a")] + "weight")[: -len(".weight")]
             kind = "lora_A" if name.endswith("lora_a") else "lora_B"
@@ -255,12 +274,24 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
             hf = native_to_hf(name)
             tensors[f"base_model.model.{hf}"] = t.contiguous()
             norm_modules.add(hf.split(".")[-2])
+    for prefix, parts in qkv.items():
+        # q, k and v adapters as one on the fused projection: A stacked [3r, in], B block-diagonal [q+k+v, 3r];
+        # rank 3r with alpha 3 * alpha keeps the scale alpha / r, so PEFT's update is exactly the three updates.
+        a = torch.cat([parts[f"{p}.lora_a"] for p in FUSED_QKV])
+        b = torch.block_diag(*[parts[f"{p}.lora_b"] for p in FUSED_QKV])
+        base = f"model.{prefix.rsplit('.', 1)[0]}.linear_attn.in_proj_qkv"
+        tensors[f"base_model.model.{base}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{base}.lora_B.weight"] = b.contiguous()
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout, "target_modules": sorted(lo.targets),
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "modules_to_save": sorted(norm_modules) or None, "use_rslora": False, "use_dora": False,
     }
+    if qkv:
+        parts = next(iter(qkv.values()))
+        config.update(rank_pattern={"in_proj_qkv": 3 * lo.rank}, alpha_pattern={"in_proj_qkv": 3 * lo.alpha},
+                      titan_sft_qkv_rows=[parts[f"{p}.lora_b"].shape[0] for p in FUSED_QKV])
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     if experts:
         # peft reaches Qwen3-MoE's experts only as transformers' fused 3-D gate_up_proj / down_proj parameters
@@ -345,6 +376,9 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     for name, t in load_file(str(d / "adapter_model.safetensors")).items():
         hf = name.removeprefix("base_model.model.")
         for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
+            if hf.endswith(kind) and hf.endswith("in_proj_qkv" + kind):
+                state.update(_split_qkv_adapter(hf[: -len(kind)], native, t, conf))
+                break
             if hf.endswith(kind):
                 state[hf_to_native_name(hf[: -len(kind)] + ".weight")[: -len("weight")] + native] = t
                 break
@@ -354,6 +388,27 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     if conf.get("titan_sft_expert_adapters"):
         state.update(load_file(str(d / conf["titan_sft_expert_adapters"])))
     return conf, state
+
+
+def _split_qkv_adapter(hf_module: str, kind: str, t: torch.Tensor, conf: dict) -> dict[str, torch.Tensor]:
+    """A fused in_proj_qkv adapter (titan_sft's block-diagonal export, whose config records the q, k and v rows)
+    back into the q, k and v adapters; any other fused adapter has no exact split and is refused."""
+    sizes = conf.get("titan_sft_qkv_rows")
+    if not sizes:
+        raise ValueError(f"{hf_module}: an in_proj_qkv adapter not written by titan_sft (no titan_sft_qkv_rows in "
+                         "adapter_config.json) has no exact split into q, k and v adapters")
+    prefix = hf_module.removeprefix("model.").replace("linear_attn.in_proj_qkv", "attention")
+    if kind == "lora_a":
+        r = t.shape[0] // 3
+        return {f"{prefix}.{p}.lora_a": t[j * r:(j + 1) * r] for j, p in enumerate(FUSED_QKV)}
+    r, out, start = t.shape[1] // 3, {}, 0
+    for j, (p, n) in enumerate(zip(FUSED_QKV, sizes)):
+        block = t[start:start + n]
+        if block[:, : j * r].any() or block[:, (j + 1) * r:].any():
+            raise ValueError(f"{hf_module}: the in_proj_qkv adapter is not block-diagonal over q, k and v")
+        out[f"{prefix}.{p}.lora_b"] = block[:, j * r:(j + 1) * r]
+        start += n
+    return out
 
 
 def warm_start(model: nn.Module, adapter_dir: str | Path, lo: Lora) -> int:
