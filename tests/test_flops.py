@@ -95,3 +95,27 @@ def test_pipeline_counts_the_converted_whole_model():
     unconverted = FlopCounter.from_model(plain, args, 256, causal=True)
     assert ours.body_per_token == ref.body_per_token and ours.head_per_position == ref.head_per_position
     assert unconverted.body_per_token > 1.35 * ours.body_per_token  # measured 1.40x on the debug model
+
+
+def test_qwen3_5_counts_full_attention_layers_and_the_delta_rule():
+    """The hybrid decoder: attention pairs count only the full-attention layers, and the chunked delta rule's
+    matmuls and triangular solves are counted per token (``metrics.linear_attention_flops``). Against torch's
+    FlopCounterMode, with two corrections of what it measures: its depthwise conv backward is counted as a dense
+    conv's (replaced by twice the forward's), and triangular solves are not counted (added: C^2 (d_k + d_v) per
+    chunk and head, three times for forward and backward). Measured: within 0.8% (the conv's padded outputs)."""
+    spec = get_train_spec("qwen3_5")
+    args = dataclasses.replace(spec.flavors["debug"], causal=False)
+    model = spec.model_cls(args)
+    model.init_weights()
+    t = 128
+    ids = torch.randint(0, args.vocab_size, (2, t))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as mode:
+        model.output(model(ids, hidden_only=True)).float().logsumexp(-1).sum().backward()
+    ops = {str(k): v for k, v in mode.get_flop_counts()["Global"].items()}
+    measured = mode.get_total_flops() - ops["aten.convolution_backward"] + 2 * ops["aten.convolution"]
+    n_linear, chunk = len(args.linear_layers()), 64
+    measured += 3 * n_linear * 2 * t * args.linear_n_v_heads * chunk * (args.linear_k_head_dim + args.linear_v_head_dim)
+    counter = FlopCounter.from_model(model, args, t, causal=False)
+    assert counter.per_pair == 12 * (args.n_layers - n_linear) * args.n_heads * args.head_dim
+    ours = counter.step_flops(2 * t, 2 * t, counter.attention_pairs(None, 2, t))
+    assert ours == pytest.approx(measured, rel=1e-2)

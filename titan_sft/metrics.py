@@ -44,9 +44,27 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def torchtitan_flops_per_token(args, seq_len: int) -> float:
-    """torchtitan's count: 6 * (active parameters less the embedding) + 12 * L * H * D * S (full attention)."""
+    """torchtitan's count: 6 * (active parameters less the embedding) + 12 * L * H * D * S over the L full-attention
+    layers, plus the chunked delta rule's work in Gated DeltaNet layers (:func:`linear_attention_flops`)."""
     n = args.num_params(active=True) - args.vocab_size * args.dim
-    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * n + 12 * _full_attention_layers(args) * args.n_heads * args.head_dim * seq_len + \
+        linear_attention_flops(args, seq_len)
+
+
+def _full_attention_layers(args) -> int:
+    return args.n_layers - len(args.linear_layers())
+
+
+def linear_attention_flops(args, seq_len: int) -> float:
+    """Training FLOPs per token of the Gated DeltaNet layers' recurrence (3x the forward's: backward is twice it),
+    beyond their projections and convs, which count as weights."""
+    from titan_sft.models.gated_deltanet import gated_delta_rule_flops
+
+    n = len(args.linear_layers())
+    if not n:
+        return 0.0
+    return 3.0 * n * gated_delta_rule_flops(seq_len, args.linear_n_v_heads, args.linear_k_head_dim,
+                                            args.linear_v_head_dim)
 
 
 @dataclass
@@ -55,7 +73,7 @@ class FlopCounter:
 
     body_per_token: float  # the blocks' matmuls, per input token
     head_per_position: float  # the output head, per position it is applied to
-    per_pair: float  # attention, per (query, key) pair: 12 * L * H * D
+    per_pair: float  # attention, per (query, key) pair: 12 * L * H * D over the L full-attention layers
     causal: bool
     torchtitan_per_token: float
 
@@ -72,8 +90,9 @@ class FlopCounter:
             if p.ndim >= 2 and p is not embedding and p is not head:
                 body += (6 if p.requires_grad else 4) * p.numel() * expert_share.get(id(p), 1.0)
         head_flops = (6 if head.requires_grad else 4) * head.numel()
-        return cls(float(body), float(head_flops), 12.0 * args.n_layers * args.n_heads * args.head_dim, causal,
-                   torchtitan_flops_per_token(args, seq_len))
+        body += linear_attention_flops(args, seq_len)  # Gated DeltaNet's recurrence, per token
+        return cls(float(body), float(head_flops), 12.0 * _full_attention_layers(args) * args.n_heads * args.head_dim,
+                   causal, torchtitan_flops_per_token(args, seq_len))
 
     def attention_pairs(self, cu_seqlens: torch.Tensor | None, rows: int, row_len: int) -> int:
         """(query, key) pairs attention computes for one microbatch: per document (``cu_seqlens`` over the flat
