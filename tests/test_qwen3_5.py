@@ -322,3 +322,20 @@ def test_lora_on_every_projection_loads_in_peft_with_equal_logits_and_reads_back
         assert (merged(x) - ours).abs().max().item() < 1e-5
     _, back = read_peft_adapter(tmp_path / "adapter")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("name,world,params,active", [("qwen3_5_9b", "8", "8,953.8M parameters", None),
+                                                      ("qwen3_5_35b_a3b", "16", "34,660.6M parameters",
+                                                       "3,455.0M active parameters")])
+def test_recipe_configs_dry_run(name, world, params, active):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "titan_sft.train", "--config", f"train_configs/{name}.toml", "--dry-run",
+                        "--model.init_from_hf", "false"], cwd=Path(__file__).resolve().parents[1],
+                       env={**os.environ, "WORLD_SIZE": world}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert params in r.stdout and (active is None or active in r.stdout)
+    assert "memory per rank: parameters" in r.stdout
