@@ -234,15 +234,15 @@ def _train(nproc, dump, config, *overrides, steps=3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,layouts", [
-    ("debug_qwen3_5", {"fsdp2_tp2": (4, "--parallelism.tp", "2"), "pp2": (2, "--parallelism.pp", "2")}),
+    ("debug_qwen3_5", {"fsdp2_tp2": (4, "--parallelism.tp", "2")}),
     ("debug_qwen3_5_moe", {"ep2_tp2": (4, "--parallelism.ep", "2", "--parallelism.tp", "2")}),
 ])
 def test_layouts_equal_one_rank(tmp_path, config, layouts):
     """The hybrid decoder (tied, weight decay 0.01) under FSDP 2 x TP 2 (linear-attention heads, conv channels and
-    decay rates sharded; the gated norm's weight gradient summed over tp), PP 2 (stages of mixed layer kinds; the
-    MoE at pp 2 measured equal too, not repeated here) and, for the MoE, EP 2 x TP 2 (the shared expert trained on each tp rank's tokens like the router): losses, grad
+    decay rates sharded; the gated norm's weight gradient summed over tp) and, for the MoE, EP 2 x TP 2 (the shared expert trained on each tp rank's tokens like the router): losses, grad
     norms (and aux losses) of 3 steps within 1e-5 of one rank. Measured: losses equal to 1e-7, grad norms to
-    3e-6 relative."""
+    3e-6 relative. PP 2 (stages of mixed layer kinds), dense and MoE, and the MoE at TP 2 alone were measured
+    equal the same way on 2026-12-07 and are not repeated here (CI time)."""
     one = _train(1, tmp_path / "one", config)
     for name, (nproc, *overrides) in layouts.items():
         run = _train(nproc, tmp_path / name, config, *overrides)
@@ -257,7 +257,8 @@ def test_layouts_equal_one_rank(tmp_path, config, layouts):
 def test_debug_jobs_learn_the_task(tmp_path, config, floor):
     """train_configs/debug_qwen3_5*.toml end to end: exact match on the held-out prompts through the HF export,
     run by transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM. Measured on 2 cores: 99% (dense, 160 steps,
-    89 s) and 99% (MoE, 200 steps, lr 1.5e-3)."""
+    89 s) and 100% (MoE, 240 steps, lr 1e-3, 197 s; at lr 1.5e-3 one 200-step run
+    stayed on the loss plateau: 6%)."""
     import os
     import subprocess
     import sys
