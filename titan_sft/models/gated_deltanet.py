@@ -98,7 +98,7 @@ def document_layout(cu_seqlens: torch.Tensor, total: int, chunk: int = CHUNK):
     """Where each of ``total`` packed tokens goes when every document starts on a chunk boundary.
 
     Returns (dest [total] long: the token's slot, length: slots in all, reset [length / chunk] bool: chunks where a
-    document starts, position [total] long: the token's index within its document).
+    document starts).
     """
     cu = cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
@@ -110,7 +110,7 @@ def document_layout(cu_seqlens: torch.Tensor, total: int, chunk: int = CHUNK):
     length = int(slots.sum())
     reset = torch.zeros(length // chunk, dtype=torch.bool, device=cu.device)
     reset[(start[lengths > 0] // chunk)] = True
-    return dest, length, reset, position
+    return dest, length, reset
 
 
 @torch.compiler.disable  # data-dependent layout (documents' lengths): run eagerly under per-block compile
@@ -118,7 +118,7 @@ def packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torch
     """The torch delta rule over packed rows [B, T, ...] whose documents ``cu_seqlens`` marks (over B * T): each
     document is computed as if alone (the state restarts at its first token)."""
     b, t = q.shape[:2]
-    dest, length, reset, _ = document_layout(cu_seqlens, b * t)
+    dest, length, reset = document_layout(cu_seqlens, b * t)
 
     def spread(x):  # [B, T, ...] -> [1, length, ...], each document from a chunk start, zeros between
         flat = x.reshape(b * t, *x.shape[2:])
