@@ -9,6 +9,7 @@ when to save and export is the checkpointer's; the recipe's arithmetic is named 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib
 import json
 import math
@@ -427,6 +428,10 @@ def check_output_folder(folder: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # A crash in native code (a collective's transport, a kernel) prints every thread's Python stack to stderr
+    # instead of only the launcher's "Signal 11".
+    if not faulthandler.is_enabled():  # pytest has its own when the tests call main() in-process
+        faulthandler.enable(file=sys.__stderr__)
     if "--help" in argv or "-h" in argv:
         print(config_help())
         return 0
