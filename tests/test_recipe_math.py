@@ -72,6 +72,54 @@ def test_lr_matches_recipe_every_step(T, warmup, decay, a, shape):
         assert Schedule.from_config(LRScheduler(warmup=warmup, decay=decay, min_lr_ratio=a, decay_type=shape), T).multiplier(0) == 0.0
 
 
+TRANSFORMERS_SCHEDULES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr"]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_SCHEDULES)
+@pytest.mark.parametrize("warmup_steps", [0, 3])
+def test_transformers_schedules_equal_get_scheduler_every_step(name, warmup_steps):
+    """``lr_scheduler.name`` = a transformers scheduler and ``warmup_steps`` a count: the lr of every update equals
+    transformers' ``get_scheduler(name, ...)`` stepped beside it (its defaults; cosine_with_min_lr at
+    min_lr_ratio 0.1), exactly."""
+    from transformers import get_scheduler
+
+    T, lr = 23, 3e-4
+    ours, theirs = (torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr) for _ in range(2))
+    cfg = LRScheduler(name=name, warmup_steps=warmup_steps, min_lr_ratio=0.1 if name == "cosine_with_min_lr" else 0)
+    sched = build_lr_scheduler(ours, cfg, T)
+    ref = get_scheduler(name, theirs, num_warmup_steps=warmup_steps, num_training_steps=T,
+                        scheduler_specific_kwargs={"min_lr_rate": 0.1} if name == "cosine_with_min_lr" else None)
+    seen = set()
+    for _ in range(T):
+        assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
+        seen.add(ours.param_groups[0]["lr"])
+        for opt, s in ((ours, sched), (theirs, ref)):
+            opt.step()
+            s.step()
+    flat = name == "constant" or (name == "constant_with_warmup" and not warmup_steps)  # constant ignores warmup
+    assert (len(seen) == 1) == flat
+
+
+def test_warmup_steps_is_a_count_and_warmup_one_is_the_whole_run():
+    """``warmup_steps = 1`` is one step of warmup; ``warmup = 1`` (the fraction rule) is 100% of the steps."""
+    assert Schedule.from_config(LRScheduler(warmup_steps=1, decay=0), 10).warmup == 1
+    assert Schedule.from_config(LRScheduler(warmup=1, decay=0), 10).warmup == 10
+    assert Schedule.from_config(LRScheduler(warmup_steps=4, decay=0.5), 10) == \
+        Schedule.from_config(LRScheduler(warmup=4, decay=0.5), 10)
+
+
+def test_schedule_settings_are_refused_where_they_do_not_apply():
+    from titan_sft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"'lr_scheduler.warmup_steps': got 5, allowed: -1 when lr_scheduler.warmup"):
+        load_config(None, ["--lr_scheduler.warmup", "0.1", "--lr_scheduler.warmup_steps", "5"])
+    with pytest.raises(ConfigError, match=r"'lr_scheduler.min_lr_ratio'.*0 with transformers' 'linear'"):
+        load_config(None, ["--lr_scheduler.name", "linear", "--lr_scheduler.min_lr_ratio", "0.1"])
+    with pytest.raises(ConfigError, match=r"'lr_scheduler.name': got 'cosine_annealing', expected one of"):
+        load_config(None, ["--lr_scheduler.name", "cosine_annealing"])
+
+
 def test_lr_rejects_bad_values():
     with pytest.raises(ValueError, match="warmup"):
         Schedule.from_config(LRScheduler(warmup=-1), 10)

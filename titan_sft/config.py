@@ -188,10 +188,15 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
+    name: Literal["levanter", "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                  "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr"] = doc("levanter", "levanter (warmup -> stable -> decay, the recipe's), or a transformers scheduler: "
+                                "linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup, "
+                                "inverse_sqrt, cosine_with_min_lr (transformers' get_scheduler, its defaults)")
     warmup: float = doc(0.0, "linear warmup: <= 1 a fraction of the steps, > 1 whole steps")
-    decay: float = doc(1.0, "decay phase at the end, same rule; the steps between are stable")
-    min_lr_ratio: float = doc(0.0, "final LR as a fraction of the peak")
-    decay_type: Literal["cosine", "linear", "constant"] = doc("cosine", "shape of the decay phase")
+    warmup_steps: int = doc(-1, "linear warmup as a count of steps (0 = none); -1 uses lr_scheduler.warmup")
+    decay: float = doc(1.0, "levanter: decay phase at the end, same rule as warmup; the steps between are stable")
+    min_lr_ratio: float = doc(0.0, "final LR as a fraction of the peak (levanter, cosine_with_min_lr)")
+    decay_type: Literal["cosine", "linear", "constant"] = doc("cosine", "levanter: shape of the decay phase")
 
 
 @dataclass
@@ -607,6 +612,12 @@ def validate(cfg: JobConfig) -> None:
         need(v >= 0, f"lr_scheduler.{key}", ">= 0 (<= 1: fraction of steps, > 1: whole steps)", v)
         need(v <= 1 or float(v).is_integer(), f"lr_scheduler.{key}", "a fraction <= 1 or a whole number of steps", v)
     need(0 <= s.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", "0 <= ratio <= 1", s.min_lr_ratio)
+    need(s.warmup_steps >= -1, "lr_scheduler.warmup_steps", ">= 0 (or -1: use lr_scheduler.warmup)", s.warmup_steps)
+    need(s.warmup_steps == -1 or s.warmup == 0, "lr_scheduler.warmup_steps",
+         "-1 when lr_scheduler.warmup is set (give the warmup one way)", s.warmup_steps)
+    need(s.min_lr_ratio == 0 or s.name in ("levanter", "cosine_with_min_lr"), "lr_scheduler.min_lr_ratio",
+         f"0 with transformers' {s.name!r} schedule (its final lr is its own; min_lr_ratio applies to levanter "
+         "and cosine_with_min_lr)", s.min_lr_ratio)
     need(c.interval >= 1, "checkpoint.interval", ">= 1", c.interval)
     need(c.hf_export_interval >= -1, "checkpoint.hf_export_interval", ">= 0 (0 = only at the end) or -1 (never)",
          c.hf_export_interval)

@@ -21,7 +21,7 @@ from titan_sft.config import (JobConfig, check_context_parallel, check_expert_pa
                               check_tensor_parallel, require_data_path)
 from titan_sft.hf_io import model_args
 from titan_sft.models.attention import resolve_backend
-from titan_sft.lr_schedule import Schedule, total_steps
+from titan_sft.lr_schedule import Schedule, lr_multiplier, total_steps
 from titan_sft.parallel.tensor_parallel import describe_plan
 from titan_sft.registry import get_objective, get_train_spec
 
@@ -226,16 +226,19 @@ def dry_run(cfg: JobConfig) -> str:
     schedule_lines = []
     c = cfg.checkpoint
     if T:
-        sched = Schedule.from_config(cfg.lr_scheduler, T)
+        s = cfg.lr_scheduler
+        sched = Schedule.from_config(s, T)
+        fn = lr_multiplier(s, T, lr)
         keys = sorted({0, 1, sched.warmup - 1, sched.warmup, sched.warmup + sched.stable - 1,
                        sched.warmup + sched.stable, T // 2, T - 1} & set(range(T)))
+        shape = (f"{s.decay_type}, warmup {sched.warmup} / stable {sched.stable} / decay {sched.decay} steps"
+                 if s.name == "levanter" else f"transformers' {s.name}, warmup {sched.warmup} steps")
         exports = [label(s) for s in range(1, T + 1)
                    if c.hf_export_interval >= 0 and hook_fires(s, T, c.hf_export_interval)]
         ckpts = [label(s) for s in range(1, T + 1) if hook_fires(s, T, c.interval)]
         schedule_lines = [
-            f"schedule: {cfg.lr_scheduler.decay_type}, warmup {sched.warmup} / stable {sched.stable} / decay "
-            f"{sched.decay} steps, base lr {lr:g}, final lr {lr * sched.multiplier(T - 1):.4g}",
-            "lr at steps: " + ", ".join(f"{s}: {lr * sched.multiplier(s):.4g}" for s in keys),
+            f"schedule: {shape}, base lr {lr:g}, final lr {lr * fn(T - 1):.4g}",
+            "lr at steps: " + ", ".join(f"{k}: {lr * fn(k):.4g}" for k in keys),
         ]
         cadence = (f"checkpoints every {c.interval} (labels {_short(ckpts)}); HF export every {c.hf_export_interval} "
                    f"(labels {_short(exports)}), dtype {c.hf_export_dtype}")

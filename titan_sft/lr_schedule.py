@@ -1,9 +1,11 @@
-"""The recipe's learning-rate schedule (recipe item 3): warmup -> stable -> decay, Levanter's arithmetic."""
+"""Learning-rate schedules: the recipe's (item 3: warmup -> stable -> decay, Levanter's arithmetic) and, for runs
+moved from a transformers script, transformers' named schedulers (``lr_scheduler.name``), step for step."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,6 +23,12 @@ def _steps(value: float, total: int, key: str) -> int:
     return int(value)
 
 
+def warmup_steps(cfg: LRConfig, total: int) -> int:
+    """The warmup's length in steps: ``lr_scheduler.warmup_steps`` when set (>= 0), else ``lr_scheduler.warmup``
+    (a fraction of ``total`` or a whole number of steps)."""
+    return cfg.warmup_steps if cfg.warmup_steps >= 0 else _steps(cfg.warmup, total, "warmup")
+
+
 @dataclass(frozen=True)
 class Schedule:
     total: int
@@ -32,7 +40,7 @@ class Schedule:
 
     @classmethod
     def from_config(cls, cfg: LRConfig, total: int) -> "Schedule":
-        warmup = min(_steps(cfg.warmup, total, "warmup"), total)
+        warmup = min(warmup_steps(cfg, total), total)
         decay = min(_steps(cfg.decay, total, "decay"), total - warmup)
         return cls(total, warmup, total - warmup - decay, decay, cfg.min_lr_ratio, cfg.decay_type)
 
@@ -67,11 +75,33 @@ def total_steps(cfg, n_packs: int, available: float = math.inf) -> int:
     return min(math.ceil(cfg.training.epochs * n_packs / B), fit)
 
 
+def transformers_multiplier(cfg: LRConfig, total: int, lr: float) -> Callable[[int], float]:
+    """transformers' own multiplier function for ``lr_scheduler.name`` (what its ``get_scheduler(name, optimizer,
+    num_warmup_steps, num_training_steps)`` puts in the LambdaLR it returns), for base lr ``lr`` (polynomial
+    decays to an absolute ``lr_end``, so its multiplier depends on it). Its defaults hold: one cycle, power 1,
+    ``lr_end`` 1e-7; cosine_with_min_lr takes ``min_lr_ratio`` as its ``min_lr_rate``."""
+    from transformers import get_scheduler
+
+    holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)  # get_scheduler reads the lr from it
+    extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.name == "cosine_with_min_lr" else None
+    built = get_scheduler(cfg.name, holder, num_warmup_steps=warmup_steps(cfg, total), num_training_steps=total,
+                          scheduler_specific_kwargs=extra)
+    return built.lr_lambdas[0]
+
+
+def lr_multiplier(cfg: LRConfig, total: int, lr: float) -> Callable[[int], float]:
+    """The multiplier of the base lr for 0-based update ``k``, as ``lr_scheduler`` (``name``) defines it."""
+    if cfg.name == "levanter":
+        return Schedule.from_config(cfg, total).multiplier
+    return transformers_multiplier(cfg, total, lr)
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRConfig, total_steps: int):
-    """A LambdaLR whose lr after ``k`` scheduler steps is the lr of 0-based update ``k``."""
-    schedule = Schedule.from_config(cfg, total_steps)
+    """A LambdaLR whose lr after ``k`` scheduler steps is the lr of 0-based update ``k`` (the convention of
+    transformers' schedulers too: the first update uses multiplier(0))."""
+    fn = lr_multiplier(cfg, total_steps, optimizer.defaults["lr"])
     # A plain function: LambdaLR's state_dict skips functions (the schedule is rebuilt from config on resume).
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.multiplier(step))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: fn(step))
 
 
 def resume_lr_scheduler(scheduler, state: dict) -> tuple[float, float]:
