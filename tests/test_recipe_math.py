@@ -225,3 +225,34 @@ def test_decay_mask_tied_and_untied():
     model = build_model(QWEN3_FLAVORS["debug"], device="cpu")
     opt = build_optimizer(model, Optimizer(weight_decay=0.1))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_decay_mask_all_decays_every_trainable_parameter_like_the_reference():
+    """``optimizer.decay_mask = "all"``: AdamW decays norms, the embedding and adapters alike, so one step equals
+    torch's AdamW over the whole trainable list with one weight decay (the reference's optimizer), exactly; the
+    recipe mask differs on the norms."""
+    from titan_sft.config import load_config
+    from titan_sft.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = build_model(QWEN3_FLAVORS["debug"], device="cpu")
+    apply_lora(model, load_config(None, ["--model.converters", "lora", "--lora.train_norms", "true"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.1)  # built on the CPU without init: any finite values
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert any(n.endswith("norm.weight") for n, p in model.named_parameters() if p.requires_grad)
+    decay, no_decay = decay_groups(model, "all")
+    assert no_decay == [] and len(decay) == len(trainable)
+    for p in trainable:
+        p.grad = torch.randn_like(p)
+    ref = {id(p): p.detach().clone().requires_grad_() for p in trainable}
+    for p in trainable:
+        ref[id(p)].grad = p.grad.clone()
+    ours = build_optimizer(model, Optimizer(weight_decay=0.1, decay_mask="all", lr=1e-2, foreach=False))
+    theirs = torch.optim.AdamW(list(ref.values()), lr=1e-2, weight_decay=0.1, foreach=False)
+    ours.step()
+    theirs.step()
+    assert all(torch.equal(p, ref[id(p)]) for p in trainable)
+    recipe = decay_groups(model)[1]
+    assert recipe and all("norm" in n for n in recipe)

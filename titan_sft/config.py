@@ -181,7 +181,10 @@ class Optimizer:
     beta1: float = doc(0.9, "AdamW beta1")
     beta2: float = doc(0.999, "AdamW beta2")
     eps: float = doc(1e-8, "AdamW epsilon")
-    weight_decay: float = doc(0.0, "decoupled weight decay (not on norms, the embedding or biases)")
+    weight_decay: float = doc(0.0, "decoupled weight decay (decay_mask says on which parameters)")
+    decay_mask: Literal["recipe", "all"] = doc(
+        "recipe", "recipe: no decay on norms, the token embedding or biases; all: every trainable parameter (the "
+                  "masked-diffusion reference script's)")
     fused: bool = doc(False, "fused AdamW kernel (GPU)")
     foreach: bool = doc(True, "multi-tensor AdamW; ignored when fused")
 

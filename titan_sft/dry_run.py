@@ -222,7 +222,7 @@ def dry_run(cfg: JobConfig) -> str:
         lora_line = [f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}"
                      f"{' + norms' if cfg.lora.train_norms else ''}: {n_train / 1e6:,.2f}M trainable of "
                      f"{n_all / 1e6:,.1f}M parameters (optimizer state for those only)"]
-    decay, no_decay = decay_groups(model)
+    decay, no_decay = decay_groups(model, cfg.optimizer.decay_mask)
     schedule_lines = []
     c = cfg.checkpoint
     if T:
@@ -326,8 +326,9 @@ def dry_run(cfg: JobConfig) -> str:
         *([f"lr scaling {o.lr_scaling}: {o.lr:g} x ({B} / {o.reference_batch})"
            f"{'^0.5' if o.lr_scaling == 'sqrt' else ''} = {lr:.4g}"] if o.lr_scaling != "none" else []),
         *schedule_lines,
-        f"weight decay {cfg.optimizer.weight_decay:g} on {len(decay)} tensors; excluded ({len(no_decay)}): norms, "
-        f"token embedding{' (tied with the head)' if args.tie_embeddings else ''}, biases",
+        f"weight decay {cfg.optimizer.weight_decay:g} on {len(decay)} tensors; " + (
+            f"excluded ({len(no_decay)}): norms, token embedding{' (tied with the head)' if args.tie_embeddings else ''}"
+            ", biases" if o.decay_mask == "recipe" else "every trainable tensor (decay_mask all)"),
         (f"clip to global norm {cfg.training.max_grad_norm:g}; " if cfg.training.max_grad_norm else "no clipping; ") +
         f"{'AdamW8bit' if o.name == 'adamw8bit' else 'AdamW'} betas ({cfg.optimizer.beta1}, {cfg.optimizer.beta2})"
         f", eps {cfg.optimizer.eps:g}",

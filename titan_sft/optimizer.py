@@ -18,17 +18,20 @@ def is_decayed(name: str, param: nn.Parameter) -> bool:
     return not ("norm" in name or "tok_embeddings" in name or name.endswith(".bias"))
 
 
-def decay_groups(model: nn.Module) -> tuple[list[str], list[str]]:
-    """Names of the trainable parameters that decay and that do not (:func:`is_decayed`).
+def decay_groups(model: nn.Module, mask: str = "recipe") -> tuple[list[str], list[str]]:
+    """Names of the trainable parameters that decay and that do not: :func:`is_decayed` (``mask`` "recipe"), or
+    every trainable parameter decays ("all", the masked-diffusion reference script's AdamW over all of them).
 
     A pipeline's last stage holds its own copy of a tied head (``model.tied_copies()``, named ``output.weight``):
-    it is the embedding, so it does not decay either; decaying one copy only would pull the two apart.
+    it is the embedding, so it decays exactly when the embedding does; decaying one copy only would pull the two
+    apart.
     """
     copies = {id(p) for p in getattr(model, "tied_copies", list)()}
     decay, no_decay = [], []
     for name, p in model.named_parameters():  # shared (tied) tensors are listed once
         if p.requires_grad:
-            (decay if is_decayed(name, p) and id(p) not in copies else no_decay).append(name)
+            decayed = mask == "all" or (is_decayed(name, p) and id(p) not in copies)
+            (decay if decayed else no_decay).append(name)
     return decay, no_decay
 
 
@@ -44,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg: OptConfig, global_batch: int | None =
     is :func:`scaled_lr` of ``global_batch`` (the packed examples per step)."""
     lr = scaled_lr(cfg, global_batch) if global_batch else cfg.lr
     params = dict(model.named_parameters())
-    decay, no_decay = decay_groups(model)
+    decay, no_decay = decay_groups(model, cfg.decay_mask)
     groups = [
         {"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
         {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
