@@ -82,6 +82,15 @@ def test_prepare_diffusion_examples_splits_and_eos_padding(tmp_path):
     ds = PackedDataset(out2 / "train")
     tokens, mask, doc_lens, answer_lens = ds[0]
     assert len(doc_lens) > 1 and int(mask.sum()) == int(answer_lens.sum())
+    # include_answer_eos false (the reference's switch): each answer is one token shorter, without its end-of-turn.
+    out3 = tmp_path / "no_eos"
+    assert prepare_diffusion([str(src)], DEBUG_TOK, 128, str(out3), include_answer_eos=False)["include_answer_eos"] \
+        is False
+    bare = PackedDataset(out3 / "train")
+    assert np.array_equal(bare.answer_lens, ds.answer_lens - 1)
+    tokens, mask, doc_lens, _ = bare[0]
+    ends = np.flatnonzero(np.diff(np.concatenate([mask, [0]]).astype(int)) == -1)  # last answer token of each doc
+    assert len(ends) == len(doc_lens) and not np.isin(tokens[ends], [tok.eos_token_id]).any()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
     from titan_sft.data.prepare import PrepareError
@@ -115,6 +124,9 @@ def _expected_loss(model, packs, keys, cfg, mb):
         start = 0
         for d, n in enumerate(doc_lens):
             sup = [i for i in range(start, start + n) if mask[i]]
+            if not o.eos_padding_loss:  # the reference's default: the answer alone; its padding stays clean
+                assert all(mb.input_ids[p, i].item() == tok[i] for i in sup[ans_lens[d]:])
+                sup = sup[: ans_lens[d]]
             rng = noise_rng(cfg.job.seed, 0, key, d)
             t = o.t_min + (1 - o.t_min) * rng.random()
             hit = rng.random(len(sup)) < t
@@ -139,11 +151,16 @@ def _expected_loss(model, packs, keys, cfg, mb):
             + o.padding_weight * sum(sum(b) / t for t, _, b, _, _ in terms) / n_p)
 
 
+PAD = ["--objective.eos_padding_loss", "true"]
+
+
 @pytest.mark.parametrize("overrides", [
-    [],  # LLaDA: per example, 1/t, answer + padding
-    ["--objective.split_loss", "true", "--objective.answer_weight", "0.7", "--objective.padding_weight", "0.3"],
+    [],  # the reference's default: per example, 1/t, the answer with its one end-of-turn token; padding unsupervised
+    PAD,  # LLaDA with EOS padding: per example, 1/t, answer + padding
+    [*PAD, "--objective.split_loss", "true", "--objective.answer_weight", "0.7", "--objective.padding_weight", "0.3"],
     ["--objective.normalization", "per_token"],
-    ["--objective.normalization", "per_token", "--objective.split_loss", "true"],
+    [*PAD, "--objective.normalization", "per_token"],
+    [*PAD, "--objective.normalization", "per_token", "--objective.split_loss", "true"],
 ])
 def test_loss_equals_hand_computation(one_rank_group, overrides):
     from titan_sft.data.loader import StepBatch
@@ -170,6 +187,40 @@ def test_loss_equals_hand_computation(one_rank_group, overrides):
     cfg.objective.padding_weight = 0.0
     assert answer == pytest.approx(_expected_loss(model, packs, keys, cfg, mb), rel=1e-5)
     assert obj.step_metrics([answer, padding])["loss_answer"] == answer
+
+
+def test_reference_config_first_step_loss_is_the_reference_default_loss(one_rank_group):
+    """train_configs/qwen3_8b_diffusion_lora_reference.toml on the debug data (EOS-padded, the debug model): the
+    first step's loss over its 8 examples (the sampler's first global batch, keys 0..7) is the reference's default
+    loss by hand: per example, 1/t-weighted CE at the masked positions of the answer and its one end-of-turn token,
+    over that answer length, mean over examples; the padding is neither noised nor supervised."""
+    from titan_sft.data.dataset import PackedDataset
+    from titan_sft.data.loader import StepBatch
+    from titan_sft.data.sampler import RecipeSampler
+    from titan_sft.objectives.masked_diffusion import MaskedDiffusion
+
+    data = ROOT / "titan_sft/assets/debug_data/diffusion/train"
+    cfg = load_config(ROOT / "train_configs/qwen3_8b_diffusion_lora_reference.toml",
+                      ["--model.flavor", "debug", "--model.init_from_hf", "false", "--data.path", str(data)])
+    o, t = cfg.objective, cfg.training
+    assert (o.eos_padding_loss, o.split_loss, o.normalization, o.shift) == (False, False, "per_example", False)
+    ds = PackedDataset(data)
+    assert ds.manifest["eos_pad"]
+    B = t.global_batch_size
+    ids = RecipeSampler(len(ds), B, 0, 1, cfg.data.shuffle, cfg.data.shuffle_seed,
+                        reshuffle=cfg.data.reshuffle_each_epoch).global_indices(0)
+    packs, keys = [ds[int(i)] for i in ids], list(range(B))
+    for tok, mask, _, ans in packs:  # each answer ends with its one end-of-turn token, then padding
+        end = int(np.flatnonzero(mask)[0]) + int(ans[0])
+        assert tok[end - 1] == ds.manifest["eos_id"] and (tok[end:] == ds.manifest["eos_id"]).all()
+    obj = MaskedDiffusion(cfg)
+    obj.mask_id = MASK
+    mb = obj.collate(packs, [0] * B, keys)
+    model = _model()
+    obj.begin_step(StepBatch(0, np.asarray(ids), [mb]), None, first=True)
+    got = obj.loss(model, mb).item()
+    assert got == pytest.approx(_expected_loss(model, packs, keys, cfg, mb), rel=1e-5)
+    assert obj.step_metrics()["n_examples"] == B
 
 
 def test_prompt_never_masked_and_mask_fraction_tracks_t():

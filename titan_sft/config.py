@@ -86,8 +86,12 @@ class Objective:
                        "examples (LLaDA), or summed over the batch / all supervised positions")
     shift: bool = doc(False, "masked_diffusion: position i predicts token i+1 (Dream); false predicts token i "
                              "(LLaDA)")
+    eos_padding_loss: bool = doc(False, "masked_diffusion on an --eos-pad dataset: the end-of-turn padding is "
+                                        "noised and supervised as part of the answer (normalised by answer + "
+                                        "padding); false keeps it clean and unsupervised (the reference's default)")
     split_loss: bool = doc(False, "masked_diffusion: answer and EOS-padding losses normalised separately and "
-                                  "mixed by answer_weight / padding_weight (needs an --eos-pad dataset)")
+                                  "mixed by answer_weight / padding_weight (needs an --eos-pad dataset and "
+                                  "eos_padding_loss)")
     answer_weight: float = doc(0.9, "masked_diffusion with split_loss: weight of the answer part")
     padding_weight: float = doc(0.1, "masked_diffusion with split_loss: weight of the padding part")
     router_aux_loss_coef: float = doc(-1.0, "models with routed experts: weight of transformers' load-balancing "
@@ -591,6 +595,8 @@ def validate(cfg: JobConfig) -> None:
         need(math.isfinite(w) and w >= 0, f"objective.{key}", "a finite number >= 0", w)
     need(not ob.split_loss or abs(ob.answer_weight + ob.padding_weight - 1) < 1e-9, "objective.padding_weight",
          f"answer_weight + padding_weight = 1 (answer_weight is {ob.answer_weight})", ob.padding_weight)
+    need(not ob.split_loss or ob.eos_padding_loss, "objective.split_loss",
+         "false unless objective.eos_padding_loss is true (the split weights the supervised padding)", ob.split_loss)
     lo = cfg.lora
     need(lo.rank >= 1, "lora.rank", ">= 1", lo.rank)
     need(0 <= lo.dropout < 1, "lora.dropout", "0 <= dropout < 1", lo.dropout)

@@ -10,10 +10,11 @@ An example whose answer is empty is skipped and counted; any other bad row follo
 Each example is rendered with the chat template: the prompt ends with the assistant header, the answer is the
 assistant turn up to and including its end-of-turn token. Output (``--out``): ``train/``, ``validation/`` and
 ``test/`` (the last two when asked for), each in the packed-dataset layout of docs/formats.md, where the
-"assistant mask" marks the answer (the positions diffusion may mask) and ``answer_lens.npy`` [n_documents] gives
+"assistant mask" marks the answer (the positions diffusion may mask; ``--no-include-answer-eos`` ends it before
+its end-of-turn token) and ``answer_lens.npy`` [n_documents] gives
 each example's own answer length. With ``--eos-pad`` every example fills its own pack: the answer is followed by
-end-of-turn tokens up to ``--seq-len`` and that padding is part of the answer (masked and supervised, so the
-model learns where answers stop). Without it examples are packed greedily and attention keeps them apart.
+end-of-turn tokens up to ``--seq-len``, marked with the answer; training's ``objective.eos_padding_loss`` says
+whether it is noised and supervised (so the model learns where answers stop) or stays clean outside the loss. Without it examples are packed greedily and attention keeps them apart.
 Splits are whole input rows (turns of one conversation never straddle splits): separate files, or a seeded
 choice of ``--validation-size`` / ``--test-size`` rows. Nothing is written unless the whole job succeeds.
 """
@@ -128,11 +129,13 @@ class SplitStats:
 
 
 class ExampleEncoder:
-    """Renders (prompt, answer) with the chat template: (prompt ids, answer ids ending with the end-of-turn)."""
+    """Renders (prompt, answer) with the chat template: (prompt ids, answer ids ending with the end-of-turn, or
+    without it when ``include_answer_eos`` is false)."""
 
-    def __init__(self, tokenizer, chat_template: str | None):
+    def __init__(self, tokenizer, chat_template: str | None, include_answer_eos: bool = True):
         self.encoder, self.resolved = encoder_for(tokenizer, chat_template)
         self.eot = tokenizer.eos_token_id
+        self.include_answer_eos = include_answer_eos
 
     def __call__(self, prompt: list, answer: dict) -> tuple[np.ndarray, np.ndarray]:
         conversation = Conversation([*prompt, answer])
@@ -147,7 +150,7 @@ class ExampleEncoder:
         answer_ids = ids[start:]
         ends = np.flatnonzero(answer_ids == self.eot)
         if len(ends):
-            answer_ids = answer_ids[: ends[0] + 1]
+            answer_ids = answer_ids[: ends[0] + int(self.include_answer_eos)]
         return ids[:start], answer_ids
 
 
@@ -202,7 +205,7 @@ def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bo
             tokens[p, pos : pos + len(prompt)] = prompt
             tokens[p, pos + len(prompt) : pos + n] = answer
             amask[p, pos + len(prompt) : pos + n] = 1
-            if eos_pad:  # the padding belongs to the answer: masked and supervised like it
+            if eos_pad:  # marked with the answer; objective.eos_padding_loss decides whether it is supervised
                 tokens[p, pos + n :] = eot
                 amask[p, pos + n :] = 1
                 n = seq_len
@@ -231,12 +234,14 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                       test_size: int = 0, split_seed: int = 0, max_history_turns: int = -1, history_prob: float = 1.0,
                       chat_template: str | None = None, overlength: str = "drop", on_bad_row: str = "error",
                       overwrite: bool = False, log=None, workers: int = 1, max_rows: int = 0,
-                      cache_dir: str | None = None) -> dict:
+                      cache_dir: str | None = None, include_answer_eos: bool = True) -> dict:
     """Runs the whole job; returns the top-level manifest. Raises :class:`PrepareError` with one clear message.
 
     Inputs are input specs (:mod:`titan_sft.data.sources`). ``workers`` processes render and tokenize rows
     (output identical for any count); ``max_rows`` keeps the first training rows only (0: all); with ``cache_dir``
-    the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`).
+    the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`). ``include_answer_eos`` (the
+    reference trainer's setting, true by default): the answer ends with its one end-of-turn token; false stops
+    before it.
     """
     log = log or (lambda msg: None)
     if workers < 1:
@@ -254,7 +259,7 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
         raise PrepareError(f"{out_dir} already exists; choose another --out or pass --overwrite")
     try:
         tokenizer = load_tokenizer(tokenizer_path)
-        enc = ExampleEncoder(tokenizer, chat_template)
+        enc = ExampleEncoder(tokenizer, chat_template, include_answer_eos)
     except (OSError, ValueError) as e:
         raise PrepareError(f"--tokenizer {tokenizer_path}: {e}") from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else enc.eot
@@ -269,6 +274,7 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
     file_index = {label: i for i, label in enumerate(labels)}
     key = {"mode": "diffusion", "format_version": FORMAT_VERSION, "tokenizer_sha256": tok_hash,
            "chat_template_sha256": enc.resolved.sha256, "seq_len": seq_len, "eos_pad": eos_pad,
+           **({} if include_answer_eos else {"include_answer_eos": False}),  # earlier caches keep their keys
            "inputs": {s: [x.identity for x in xs] for s, xs in sources.items()}, "validation_size": validation_size,
            "test_size": test_size, "split_seed": split_seed, "max_history_turns": max_history_turns,
            "history_prob": history_prob, "overlength": overlength, "on_bad_row": on_bad_row, "max_rows": max_rows,
@@ -304,7 +310,7 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
     manifest = {"format_version": FORMAT_VERSION, "kind": "prompt_answer_splits", "tokenizer": str(tokenizer_path),
                 "tokenizer_sha256": tok_hash, "chat_template_sha256": enc.resolved.sha256,
                 "vocab_size": len(tokenizer), "eos_id": enc.eot, "pad_id": pad_id, "max_seq_len": seq_len,
-                "eos_pad": eos_pad, "input_files": labels, "max_rows": max_rows,
+                "eos_pad": eos_pad, "include_answer_eos": include_answer_eos, "input_files": labels, "max_rows": max_rows,
                 "history": {"max_turns": max_history_turns, "prob": history_prob}, "overlength": overlength,
                 "split_seed": split_seed, "splits": {}}
     global _WORK
@@ -379,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, required=True, help="pack length (tokens)")
     ap.add_argument("--out", required=True, help="output directory: train/, validation/, test/")
     ap.add_argument("--eos-pad", action="store_true", help="pad each answer with end-of-turn tokens to --seq-len")
+    ap.add_argument("--include-answer-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="the answer ends with its end-of-turn token, noised and supervised (default; the reference "
+                         "trainer's include_answer_eos)")
     ap.add_argument("--validation", nargs="+", default=None, help="validation rows (input specs, as --input)")
     ap.add_argument("--test", nargs="+", default=None, help="test rows (input specs, as --input)")
     ap.add_argument("--validation-size", type=int, default=0, help="rows of --input held out for validation")
@@ -407,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                           split_seed=a.split_seed, max_history_turns=a.max_history_turns,
                           history_prob=a.history_prob, chat_template=a.chat_template, overlength=a.overlength,
                           on_bad_row=a.on_bad_row, overwrite=a.overwrite, workers=a.workers, max_rows=a.max_rows,
-                          cache_dir=a.cache_dir,
+                          cache_dir=a.cache_dir, include_answer_eos=a.include_answer_eos,
                           log=lambda msg: print(f"prepare_diffusion: {msg}", file=sys.stderr))
     except PrepareError as e:
         print(f"prepare_diffusion: error: {e}", file=sys.stderr)

@@ -3,13 +3,14 @@
 Per example (a document of a pack: prompt, then answer; the dataset's mask marks the answer, and with EOS padding
 the padding after it):
 
-* noise level ``t ~ Uniform(t_min, 1)``; every answer (and padding) token is replaced by the mask token
+* noise level ``t ~ Uniform(t_min, 1)``; every answer token (and padding token with ``eos_padding_loss``) is replaced by the mask token
   independently with probability t; prompt tokens never are. The draws come from a generator seeded by
   (job seed, stream, the example's key, its document index in the pack), where the key is
   ``step * global_batch + position`` (``titan_sft.data.loader``): the same masks for any number of ranks or
   microbatches, and on resume;
 * loss: cross-entropy at masked positions only, each weighted by 1 / t; ``per_example`` (LLaDA, default) sums an
-  example's terms, divides by its answer length (answer plus padding) and averages over the examples of the step;
+  example's terms, divides by its answer length (its end-of-turn token included; plus the padding with
+  ``eos_padding_loss``) and averages over the examples of the step;
   ``per_token`` divides the step's sum by its supervised positions. ``split_loss`` normalises answer and padding
   parts separately and mixes them with ``answer_weight`` / ``padding_weight``. The denominators (examples, or
   supervised positions) are all-reduced over the data-parallel ranks before the step, so every layout computes
@@ -92,8 +93,10 @@ def noise_rng(seed: int, stream: int, key: int, doc: int) -> np.random.Generator
 
 def collate_diffusion(packs: list, keys: list[int], *, mask_id: int, t_min: float, shift: bool, split: bool,
                       answer_weight: float, padding_weight: float, per_example: bool, seed: int,
-                      stream: int = TRAIN_STREAM) -> DiffusionMicrobatch:
-    """Noises packed prompt/answer examples; see the module docstring for the semantics."""
+                      stream: int = TRAIN_STREAM, padding_loss: bool = True) -> DiffusionMicrobatch:
+    """Noises packed prompt/answer examples; see the module docstring for the semantics. ``padding_loss``
+    (``objective.eos_padding_loss``): an example's end-of-turn padding (past ``answer_lens``) is noised and
+    supervised with its answer; false leaves it clean and outside the loss."""
     rows_ids, pos, seg_lens = [], [], []
     sel, tgt, wts, part = [], [], [], []
     stats = np.zeros(6, dtype=np.float64)
@@ -111,6 +114,8 @@ def collate_diffusion(packs: list, keys: list[int], *, mask_id: int, t_min: floa
             if len(sup) == 0:
                 continue
             n_ans = len(sup) if answer_lens is None else min(int(answer_lens[d]), len(sup))
+            if not padding_loss:
+                sup = sup[:n_ans]  # the padding stays its clean end-of-turn tokens, visible and unsupervised
             is_pad = np.arange(len(sup)) >= n_ans
             rng = noise_rng(seed, stream, key, d)
             t = t_min + (1.0 - t_min) * rng.random()
@@ -202,7 +207,8 @@ class MaskedDiffusion(Objective):
         return {"objective": "masked_diffusion", "mask_token_id": self.mask_id,
                 "mask_token": tokenizer.convert_ids_to_tokens(self.mask_id)
                 if tokenizer is not None and self.mask_id < len(tokenizer) else None,
-                "shift": o.shift, "normalization": o.normalization, "t_min": o.t_min, "split_loss": o.split_loss,
+                "shift": o.shift, "normalization": o.normalization, "t_min": o.t_min,
+                "eos_padding_loss": o.eos_padding_loss, "split_loss": o.split_loss,
                 "answer_weight": o.answer_weight, "padding_weight": o.padding_weight,
                 "end_token_ids": end_token_ids(tokenizer) if tokenizer is not None else []}
 
@@ -212,7 +218,7 @@ class MaskedDiffusion(Objective):
         return collate_diffusion(packs, keys, mask_id=self.mask_id, t_min=o.t_min, shift=o.shift,
                                  split=o.split_loss, answer_weight=o.answer_weight, padding_weight=o.padding_weight,
                                  per_example=self.per_example, seed=self.cfg.job.seed if seed is None else seed,
-                                 stream=stream)
+                                 stream=stream, padding_loss=o.eos_padding_loss)
 
     def denominators(self, stats: torch.Tensor) -> torch.Tensor:
         """[answer, padding] denominators from all-reduced stats: examples (per_example), or supervised
