@@ -257,12 +257,13 @@ def test_layouts_equal_one_rank(tmp_path, config, layouts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config,floor", [("debug_qwen3_5", 0.9), ("debug_qwen3_5_moe", 0.9)])
+@pytest.mark.parametrize("config,floor", [("debug_qwen3_5", 0.9)])
 def test_debug_jobs_learn_the_task(tmp_path, config, floor):
-    """train_configs/debug_qwen3_5*.toml end to end: exact match on the held-out prompts through the HF export,
-    run by transformers' Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM. Measured on 2 cores: 99% (dense, 160 steps,
-    89 s) and 100% (MoE, 240 steps, lr 1e-3, 197 s; at lr 1.5e-3 one 200-step run
-    stayed on the loss plateau: 6%)."""
+    """train_configs/debug_qwen3_5.toml end to end: exact match on the held-out prompts through the HF export, run
+    by transformers' Qwen3_5ForCausalLM. Measured on 2 cores: 99% (160 steps, 89 s). The MoE job
+    (debug_qwen3_5_moe.toml, run by Qwen3_5MoeForCausalLM) measured 100% (240 steps, lr 1e-3, 197 s; at lr 1.5e-3
+    one 200-step run stayed on the loss plateau: 6%) on 2026-12-07; it is not repeated here (CI time: add
+    ("debug_qwen3_5_moe", 0.9) to run it)."""
     import os
     import subprocess
     import sys
