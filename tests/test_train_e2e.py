@@ -42,8 +42,16 @@ def final_weights(dump, label):
 @pytest.mark.slow
 def test_world_size_invariance_and_preclip_norm(tmp_path):
     one = run(1, tmp_path / "one", "--training.per_device_batch", "2")
-    two = run(2, tmp_path / "two", "--training.per_device_batch", "1")
+    two = run(2, tmp_path / "two", "--training.per_device_batch", "1", log=tmp_path / "two.log")
     assert [r["step"] for r in one] == [1, 2, 3, 4, 5]
+    # The start-up and end lines the replaced SFT script printed (rank 0 only): the decay counts (the debug model
+    # ties its head), the tokenizer's padding, both start-up checks, the run's length.
+    out = (tmp_path / "two.log").read_text()
+    assert re.search(r"\[init\] weight decay 0\.01 \(recipe mask\) on \d+ tensors \([\d.]+M parameters\); not on "
+                     r"\d+ .*norms, token embedding, biases\); the head is tied to the embedding", out), out[:3000]
+    assert re.search(r"\[init\] tokenizer: 280 tokens, embedding rows \d+ \(\d+ rows past it\); pad token", out)
+    assert out.count("[init] isolation check passed") == 1 and out.count("[init] denominator check passed") == 1
+    assert re.search(r"\[done\] 5 steps in 0:\d\d:\d\d", out)
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
         assert a["n_loss_tokens"] == b["n_loss_tokens"] and a["n_tokens"] == b["n_tokens"]

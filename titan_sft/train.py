@@ -79,7 +79,7 @@ class Trainer:
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
         check_vocab(self.dataset.manifest.get("vocab_size", 0), self.args.vocab_size)
-        tokenizer = self._tokenizer()
+        self.tokenizer = tokenizer = self._tokenizer()
         check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
         self.objective_record = self.objective.setup(self.args.vocab_size, tokenizer)
         check_tensor_parallel(d.dims.tp, self.args.n_heads, self.args.n_kv_heads, self.seq_len,
@@ -116,8 +116,9 @@ class Trainer:
             if callable(after := getattr(part, "after_optimizer_step", None)):
                 self.optimizer.register_step_post_hook(lambda opt, args, kwargs, after=after: after())
         self.lr_scheduler = spec.build_lr_scheduler_fn(self.optimizer, cfg.lr_scheduler, self.total_steps)
-        self.flops = FlopCounter.from_model(flop_model(spec, self.args, cfg, model, self.pipelined), self.args,
-                                            self.seq_len, self.objective.causal)
+        whole = flop_model(spec, self.args, cfg, model, self.pipelined)
+        self.flops = FlopCounter.from_model(whole, self.args, self.seq_len, self.objective.causal)
+        self.decay_line = decay_line(whole, cfg.optimizer, self.args.tie_embeddings)
         self.metrics = spec.build_metrics_fn(cfg, d.rank, d.device, self.total_steps, self.flops)
         exporter = HFExporter(spec, self.args, cfg.checkpoint.hf_export_dtype, self.tokenizer_dir(),
                               cfg.checkpoint.hf_max_shard_size_gb, cfg.checkpoint.hf_generation_config,
@@ -157,6 +158,8 @@ class Trainer:
             f"[init] data {cfg.data.path or ', '.join(x.name for x in cfg.data.sources)}: {len(self.dataset):,} packs of {L:,} tokens, {m.get('n_tokens', 0):,} "
             f"tokens, {loss_tokens:,} loss tokens",
             f"[init] {B} packs = {B * L:,} tokens per step, {self.total_steps} steps; output {cfg.job.dump_folder}",
+            self.decay_line,
+            *([tokenizer_line(self.tokenizer, self.args.vocab_size)] if self.tokenizer is not None else []),
         ):
             logger.info(line)
 
@@ -311,6 +314,9 @@ class Trainer:
                                          cp_group=self.dist.mesh["cp"].get_group())
 
             startup_check_on_first_stage(self.model, check) if self.pipelined else check(self.model)
+            logger.info(f"[init] isolation check passed: packed documents do not see each other "
+                        f"({cfg.model.attention} attention, {'causal' if self.objective.causal else 'bidirectional'})")
+        t_run = time.monotonic()
         self.first_step = self.sampler.step = self.step
         self.skipped = 0
         self.loader.start(self.step)
@@ -341,8 +347,10 @@ class Trainer:
                 if not planned_stop and stop_file and self.dist.rank == 0:
                     Path(stop_file).write_text(f"{self.step}\n")
                 return
-        logger.info(f"training done: {self.step} steps" + (f", {self.skipped} skipped (empty loss groups)"
-                                                           if self.skipped else ""))
+        elapsed = int(time.monotonic() - t_run)
+        logger.info(f"[done] {self.step} steps in {elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}"
+                    + (f" ({self.step - self.first_step} in this run)" if self.first_step else "")
+                    + (f", {self.skipped} skipped (empty loss groups)" if self.skipped else ""))
         self._converter_hooks("on_end")
 
     def close(self) -> None:
@@ -350,6 +358,30 @@ class Trainer:
         self.loader.close()
         self.metrics.close()
         shutdown()
+
+
+def decay_line(model: torch.nn.Module, opt, tied: bool) -> str:
+    """The start-up line saying what weight decay applies to (the whole model's trainable parameters)."""
+    from titan_sft.optimizer import decay_groups
+
+    decay, no_decay = decay_groups(model, opt.decay_mask)
+    params = dict(model.named_parameters())
+    count = lambda names: sum(params[n].numel() for n in names)  # noqa: E731
+    head = ("the head is tied to the embedding" if tied else
+            "the untied head " + ("decays" if "output.weight" in decay else "does not decay" if "output.weight"
+                                  in no_decay else "is frozen"))
+    return (f"[init] weight decay {opt.weight_decay:g} ({opt.decay_mask} mask) on {len(decay)} tensors "
+            f"({count(decay) / 1e6:,.2f}M parameters); not on {len(no_decay)} ({count(no_decay) / 1e6:,.2f}M: "
+            f"{'norms, token embedding, biases' if opt.decay_mask == 'recipe' else 'none'}); {head}")
+
+
+def tokenizer_line(tokenizer, vocab_size: int) -> str:
+    """The start-up line about the tokenizer: its size against the embedding table and its padding token."""
+    n, pad = len(tokenizer), tokenizer.pad_token_id
+    padding = (f"pad token {tokenizer.pad_token!r} (id {pad})" if pad is not None
+               else "no pad token (packs are padded with the dataset's pad id)")
+    return (f"[init] tokenizer: {n:,} tokens, embedding rows {vocab_size:,} ({vocab_size - n:,} rows past it); "
+            f"{padding}")
 
 
 def flop_model(spec, args, cfg: JobConfig, model: torch.nn.Module, pipelined: bool) -> torch.nn.Module:

@@ -71,6 +71,8 @@ class CausalLM(Objective):
             if not np.array_equal(counts.numpy(), derived):
                 raise StartupCheckError(f"loss denominators {counts.tolist()} differ from the dataset's "
                                         f"assistant_counts {derived.tolist()} (recipe item 10)")
+            logger.info(f"[init] denominator check passed: the first step's {G} loss groups hold "
+                        f"{[int(c) for c in counts.tolist()]} loss targets, as the dataset's assistant_counts say")
         self.counts = counts
         if (counts == 0).any():
             empty = torch.nonzero(counts == 0).flatten().tolist()
