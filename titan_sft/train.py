@@ -458,6 +458,13 @@ def check_output_folder(folder: str) -> None:
         raise ConfigError(f"config key 'job.dump_folder': {what} ({e.strerror})") from None
 
 
+def report_error(error) -> None:
+    """The one ``error: ...`` line, in a single write: under torchrun (``python -u``) every rank reports it into the
+    same pipe, and print()'s separate write of the newline lets two ranks' lines run together."""
+    sys.stderr.write(f"error: {error}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # A crash in native code (a collective's transport, a kernel) prints every thread's Python stack to stderr
@@ -480,12 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         check_output_folder(cfg.job.dump_folder)
         trainer = Trainer(cfg)
     except (ConfigError, FileNotFoundError, ValueError, KeyError, ModuleNotFoundError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        report_error(e.args[0] if isinstance(e, KeyError) and e.args else e)
         return 2
     try:
         trainer.train()
     except (StartupCheckError, BatchError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_error(e)
         return 2
     finally:
         trainer.close()
