@@ -288,24 +288,27 @@ def test_layout_checks_for_linear_attention():
         check_context_parallel(2, "ulysses", 1, 4, 2, 256, "sdpa", linear_layers=3)
 
 
+@pytest.mark.parametrize("variant", ["lora", "dora_rslora"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_lora_on_every_projection_loads_in_peft_with_equal_logits_and_reads_back(tmp_path, kind):
+def test_lora_on_every_projection_loads_in_peft_with_equal_logits_and_reads_back(tmp_path, kind, variant):
     """LoRA on full attention, Gated DeltaNet (in_proj_qkv as three adapters, exported as one block-diagonal
     adapter of rank 3r), the dense MLP or the shared expert: PEFT on transformers' model gives titan_sft's logits
-    (1e-5), the merged weights equal the adapted model, and titan_sft reads its adapter back exactly."""
+    (1e-5), the merged weights equal the adapted model, and titan_sft reads its adapter back exactly. The same
+    with DoRA (trained magnitudes; in_proj_qkv's three concatenated) and rsLoRA (scale alpha / sqrt(r))."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from titan_sft.config import load_config
-    from titan_sft.lora import apply_lora, merge_lora, read_peft_adapter, save_peft_adapter
+    from titan_sft.lora import apply_lora, is_adapter_key, lora_scaling, merge_lora, read_peft_adapter, save_peft_adapter
     from titan_sft.models.hf_adapter import native_to_hf_name
     from titan_sft.models.transformer import Transformer
 
     _hf(kind, tmp_path / "base")
     model = load_hf(tmp_path / "base")
     targets = "q_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj,gate_proj,up_proj,down_proj"
+    extra = ["--lora.use_dora", "true", "--lora.use_rslora", "true"] if variant == "dora_rslora" else []
     cfg = load_config(None, ["--model.converters", "lora", "--lora.rank", "4", "--lora.alpha", "8",
-                             "--lora.targets", targets])
+                             "--lora.targets", targets, *extra])
     names = apply_lora(model, cfg)
     assert {"layers.0.attention.in_proj_q", "layers.0.attention.out_proj", "layers.1.attention.wq"} <= set(names)
     if kind == "moe":
@@ -315,7 +318,11 @@ def test_lora_on_every_projection_loads_in_peft_with_equal_logits_and_reads_back
         for n, p in model.named_parameters():
             if n.endswith(("lora_a", "lora_b")):
                 p.normal_(std=0.1)
-    state = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("lora_a", "lora_b"))}
+        for m in model.modules():
+            if getattr(m, "lora_magnitude", None) is not None:  # the row norms, moved off them
+                m.lora_magnitude.copy_(m.weight.norm(dim=1) * (1 + 0.2 * torch.randn(m.weight.shape[0])))
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_key(n)}
+    assert any(n.endswith("lora_magnitude") for n in state) == (variant == "dora_rslora")
     save_peft_adapter(state, cfg.lora, tmp_path / "adapter", None, False, native_to_hf_name)
     x = torch.randint(0, VOCAB, (2, 30))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -324,7 +331,7 @@ def test_lora_on_every_projection_loads_in_peft_with_equal_logits_and_reads_back
         ours = model(x)
         assert (peft(input_ids=x).logits - ours).abs().max().item() < 1e-5
         merged = Transformer(model.args)
-        merged.load_state_dict(merge_lora(model.state_dict(), cfg.lora.alpha / cfg.lora.rank))
+        merged.load_state_dict(merge_lora(model.state_dict(), lora_scaling(cfg.lora)))
         assert (merged(x) - ours).abs().max().item() < 1e-5
     _, back = read_peft_adapter(tmp_path / "adapter")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)

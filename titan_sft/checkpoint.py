@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_sft.atomic import barrier, finalize, partial_dir, rank
-from titan_sft.config import JobConfig
+from titan_sft.base_identity import base_source, describe, fingerprint, first_difference
+from titan_sft.config import ConfigError, JobConfig
 from titan_sft.log import logger
 from titan_sft.lr_schedule import resume_lr_scheduler
 from titan_sft.parallel.distributed import new_transient_group, release_group, transient_group
@@ -236,6 +237,16 @@ def restore_rng_state(meta: dict) -> None:
         torch.cuda.set_rng_state(_unb64(states[r]["cuda"]))
 
 
+class BaseMismatch(ConfigError):
+    """An adapter-only checkpoint and this run's base differ (raised before anything is loaded)."""
+
+
+def is_weights_only(path: str) -> bool:
+    """Whether ``path`` is a weights-only checkpoint (``convert from-hf``'s: a run's starting point)."""
+    meta = read_meta(Path(path)) if path not in ("auto", "none") else None
+    return meta is not None and meta.get("kind") == "weights_only"
+
+
 def run_folder(dump_folder: str, resume: str, checkpoint_enabled: bool = True) -> str:
     """The run's output folder: ``dump_folder``, unless it holds an earlier run (a metrics.jsonl) that this run
     does not continue; then the first free ``<dump_folder>-<n>``, so an earlier run is never overwritten.
@@ -244,7 +255,8 @@ def run_folder(dump_folder: str, resume: str, checkpoint_enabled: bool = True) -
     complete checkpoint there resumes it, and one that finds none (killed before its first checkpoint was
     complete) starts over in it; the records of the lost attempt are dropped when the run starts
     (``MetricsLogger.start``). The exception is a folder holding ``checkpoints-best`` and nothing to resume (a
-    finished ``validation.best_only`` run): it is kept. ``resume`` naming a checkpoint inside ``dump_folder``
+    finished ``validation.best_only`` run): it is kept. A weights-only ``resume`` (the run's starting point)
+    counts as auto. ``resume`` naming a checkpoint inside ``dump_folder``
     continues it too. Otherwise (``none``, another run's checkpoint, ``checkpoint.enable = false``) a folder with
     records is an earlier run: a new suffixed folder. Stale ``*.partial`` directories of the folder are removed
     when it is reused (call on rank 0 only)."""
@@ -252,7 +264,8 @@ def run_folder(dump_folder: str, resume: str, checkpoint_enabled: bool = True) -
     if not (root / "metrics.jsonl").exists():
         return dump_folder
     home = checkpoint_enabled and (
-        (resume == "auto" and (find_checkpoints(root) or not (root / "checkpoints-best").exists()))
+        ((resume == "auto" or is_weights_only(resume))
+         and (find_checkpoints(root) or not (root / "checkpoints-best").exists()))
         or (resume not in ("auto", "none") and Path(resume).resolve().is_relative_to(root.resolve())))
     if home:
         for stale in [*root.glob("*.partial"), *root.glob("*/*.partial")]:
@@ -283,11 +296,16 @@ class CheckpointManager:
         self.last_temp_time = time.monotonic()
         from titan_sft.parallel.distributed import unwrapped_name
 
-        # A run with frozen parameters (LoRA's base) keeps only the trainable ones in its best checkpoint: the
-        # base is in hf_assets_path already, and the best one is for evaluation, never resumed.
+        # A run with frozen parameters (LoRA's base) stores the trainable ones, the buffers and the base's identity
+        # (titan_sft.base_identity) unless checkpoint.frozen_base = "stored": the base is rebuilt on resume.
         params = list(model.named_parameters())
         self.trainable = ({unwrapped_name(n) for n, p in params if p.requires_grad}
                           if any(not p.requires_grad for _, p in params) else None)
+        self.adapter_only = self.trainable is not None and job_cfg.checkpoint.frozen_base == "identity"
+        self.stored = (self.trainable | {unwrapped_name(n) for n, _ in model.named_buffers()}
+                       if self.trainable is not None else None)
+        self.base_source = base_source(job_cfg)
+        self._fingerprint: dict | None = None  # the base's, computed at the first save or resume
         self._pending = None  # (future or None, tmp dir, final dir, meta, start time) of a save not yet renamed
         self._staging = None  # future: the pending async save's copy of the state is complete
         self._async_pg = self._stager = None  # the pending async save's own group and stager (see save())
@@ -295,13 +313,33 @@ class CheckpointManager:
         # resumed run compares with the best as of its checkpoint's step, for either objective.
         self.best_loss = math.inf
 
-    def _state(self, kind: str = "regular") -> dict[str, Any]:
-        if kind == "best" and self.trainable is not None:
-            return {"model": {k: v for k, v in model_state(self.model).items() if k in self.trainable}}
-        return {
-            "model": model_state(self.model),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=OPTIM_OPTIONS),
-        }
+    def _state(self, with_base: bool | None = None) -> dict[str, Any]:
+        """What a checkpoint holds: the model (without the frozen base when ``with_base`` is false; default: as
+        ``checkpoint.frozen_base`` says) and the optimizer."""
+        model = model_state(self.model)
+        if not (with_base if with_base is not None else not self.adapter_only):
+            model = {k: v for k, v in model.items() if k in self.stored}
+        return {"model": model,
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=OPTIM_OPTIONS)}
+
+    def base_fingerprint(self) -> dict[str, list[float]]:
+        """The frozen base's fingerprint (collective the first time; the base never changes during a run)."""
+        if self._fingerprint is None:
+            state = model_state(self.model)
+            self._fingerprint = fingerprint(state, [k for k in state if k not in self.stored])
+        return self._fingerprint
+
+    def check_base(self, meta: dict, path: Path) -> None:
+        """Refuses (:class:`BaseMismatch`, one line) to resume ``path``'s trainable state on another base."""
+        saved = meta["base_identity"]
+        if self.trainable is None:
+            raise BaseMismatch(f"checkpoint {path} holds the trainable part of a run with a frozen base "
+                               f"({describe(saved['source'])}); this run trains every parameter")
+        why = first_difference(saved["fingerprint"], self.base_fingerprint())
+        if why is not None:
+            raise BaseMismatch(f"checkpoint {path} was trained on the base {describe(saved['source'])}; this run's "
+                               f"base ({describe(self.base_source)}) is another: {why}. Resume with that base, or "
+                               "start over with checkpoint.resume = \"none\"")
 
     def save(self, completed_steps: int, temp: bool = False, kind: str | None = None,
              extra_meta: dict | None = None) -> Path:
@@ -329,7 +367,9 @@ class CheckpointManager:
             "sampler": self.sampler.state_dict(),
             "rng": gather_rng_states(),
             "config": self.run_config,
-            "trainable_only": kind == "best" and self.trainable is not None,
+            # the frozen base is not stored: where it comes from and its fingerprint, checked on resume
+            **({"base_identity": {"source": self.base_source, "fingerprint": self.base_fingerprint()}}
+               if self.adapter_only else {}),
             "best_validation_loss": None if math.isinf(self.best_loss) else self.best_loss,
         }
         # Every save runs its collectives on a group of its own, released when the save is complete: a long-lived
@@ -344,13 +384,13 @@ class CheckpointManager:
             # optimizer step until it is done, so the copy overlaps the next forward/backward.
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=True, use_non_blocking_copy=cuda))
-            response = dcp.async_save(self._state(kind), storage_writer=self._writer(tmp), process_group=self._async_pg,
+            response = dcp.async_save(self._state(), storage_writer=self._writer(tmp), process_group=self._async_pg,
                                       async_stager=self._stager)
             self._staging = response.staging_completion
             self._pending = (response.upload_completion, tmp, final, meta, t0)
         else:
             with transient_group() as pg:
-                dcp.save(self._state(kind), storage_writer=self._writer(tmp), process_group=pg)
+                dcp.save(self._state(), storage_writer=self._writer(tmp), process_group=pg)
             self._pending = (None, tmp, final, meta, t0)
             self.wait()
         if kind == "best" and getattr(self.exporter, "lora", None) is not None:
@@ -438,15 +478,20 @@ class CheckpointManager:
         if meta is None:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
         if meta.get("trainable_only"):
-            raise RuntimeError(f"checkpoint {path} holds the trainable weights only (a LoRA run's best checkpoint, "
-                               "for evaluation); resume from checkpoints/step-* or checkpoints-temp")
+            raise RuntimeError(f"checkpoint {path} holds the trainable weights only (a LoRA run's best checkpoint "
+                               "written before checkpoints kept the optimizer with them, for evaluation); resume "
+                               "from checkpoints/step-* or checkpoints-temp")
         if meta.get("kind") == "weights_only":  # written by `convert from-hf`: a starting point, step 0
             self.load_weights(path)
             return 0
-        state = self._state()
+        with_base = "base_identity" not in meta
+        if not with_base:
+            self.check_base(meta, path)
+        state = self._state(with_base)
         with transient_group() as pg, _quiet_root_logger():  # see save()
             dcp.load(state, checkpoint_id=str(path), process_group=pg)
-        set_model_state_dict(self.model, with_aliases(self.model, state["model"]))
+        set_model_state_dict(self.model, with_aliases(self.model, state["model"]),
+                             options=StateDictOptions(strict=with_base))
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=OPTIM_OPTIONS)
         was, now = resume_lr_scheduler(self.lr_scheduler, meta["lr_scheduler"])
         if not math.isclose(was, now, rel_tol=1e-9, abs_tol=1e-15):
@@ -485,12 +530,21 @@ class CheckpointManager:
         if meta is None:
             raise RuntimeError(f"checkpoint {path} is partial or damaged (no .metadata / meta.json)")
         state = {"model": model_state(self.model)}
-        if meta.get("trainable_only"):  # a LoRA run's best checkpoint: the base stays as loaded
-            state["model"] = {k: v for k, v in state["model"].items() if k in (self.trainable or ())}
+        partial = meta.get("trainable_only") or "base_identity" in meta
+        if "base_identity" in meta:
+            self.check_base(meta, path)
+        if partial:  # the trainable state only: the base stays as loaded
+            state["model"] = {k: v for k, v in state["model"].items() if k in (self.stored or ())}
+        elif meta.get("kind") == "weights_only" and self.trainable is not None:
+            # a starting point written before LoRA was applied: the adapters keep their init
+            from titan_sft.lora import is_adapter_key
+
+            state["model"] = {k: v for k, v in state["model"].items() if not is_adapter_key(k)}
+            partial = True
         with transient_group() as pg:
             dcp.load(state, checkpoint_id=str(path), process_group=pg)
         set_model_state_dict(self.model, with_aliases(self.model, state["model"]),
-                             options=StateDictOptions(strict=not meta.get("trainable_only")))
+                             options=StateDictOptions(strict=not partial))
         return int(meta["step"])
 
     def resume(self) -> int:
@@ -498,11 +552,18 @@ class CheckpointManager:
         mode = self.cfg.resume
         if not self.cfg.enable or mode == "none":
             return 0
-        if mode != "auto":
+        if mode != "auto" and not is_weights_only(mode):
             return self.load(Path(mode))
+        if mode != "auto":
+            # A weights-only checkpoint (`convert from-hf`) is where the run starts, not where it continues: its
+            # weights are loaded, then the run's own newest checkpoint, if any (a requeued run loses no step).
+            self.load_weights(Path(mode))
+            self.base_source, self._fingerprint = {"kind": "dcp", "path": str(mode)}, None
         for step, path in find_checkpoints(self.root):
             try:
                 return self.load(path)
+            except BaseMismatch:  # not damaged: the run was started on another base
+                raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - damaged: fall back to the next newest
                 aside = move_aside(path)
                 logger.warning(f"[checkpoint] cannot resume from {path}: {one_line(e)}; moved to {aside.name} "

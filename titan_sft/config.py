@@ -213,7 +213,11 @@ class Checkpoint:
     hf_export_interval: int = doc(100, "HF export every this many steps; 0 only after the final step; -1 never")
     temp_interval_minutes: float = doc(10.0, "minutes between temporary checkpoints (overwritten); 0 disables")
     keep_latest_k: int = doc(0, "regular checkpoints to keep; 0 keeps all")
-    resume: str = doc("auto", "auto (newest complete checkpoint), none, or a checkpoint path")
+    resume: str = doc("auto", "auto (newest complete checkpoint), none, or a checkpoint path (a weights-only one "
+                              "from `convert from-hf` is the starting point: the run still resumes its own)")
+    frozen_base: Literal["identity", "stored"] = doc(
+        "identity", "a run with frozen parameters (LoRA's base): identity stores the trainable state and the base's "
+                    "source and fingerprint, the base is rebuilt on resume; stored writes the whole model")
     async_mode: Literal["disabled", "async"] = doc(
         "disabled", "async: stage the state in host memory and write it in the background")
     hf_export_dtype: Literal["bfloat16", "float32", "float16"] = doc("bfloat16", "dtype of HF exports")
@@ -295,6 +299,9 @@ class Lora:
     targets: list[str] = doc(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                              "projections given adapters, by HF name")
     train_norms: bool = doc(True, "train the RMSNorm weights too (saved with the adapter)")
+    use_rslora: bool = doc(False, "rank-stabilised LoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank")
+    use_dora: bool = doc(False, "DoRA: a trained magnitude per output row of each adapted linear (PEFT's use_dora); "
+                                "not with tensor parallel, float8 or lora.experts")
     experts: bool = doc(False, "models with routed experts: also adapt every expert's weights among the targets "
                                "(gate/up/down_proj), with per-expert factors stored stacked")
     init_from: str = doc("", "warm start: a PEFT LoRA adapter directory (titan_sft's adapters/* or peft's) whose "
@@ -606,6 +613,13 @@ def validate(cfg: JobConfig) -> None:
          "false unless lora.targets holds an expert weight (gate_proj, up_proj, down_proj)", lo.experts)
     need(not lo.experts or lo.rank % 8 == 0, "lora.rank", "a multiple of 8 with lora.experts (the grouped GEMM "
          "needs 16-byte strides: rank 8 in bf16)", lo.rank)
+    for why, clash in (("parallelism.tp > 1", cfg.parallelism.tp > 1), ("training.float8", t.float8),
+                       ("lora.experts", lo.experts)):
+        # the row norms of W + sBA are not computed on tensor-parallel shards or float8 weights, and PEFT has
+        # no DoRA on routed experts
+        need(not (lo.use_dora and clash and "lora" in cfg.model.converters), "lora.use_dora",
+             f"false with {why} (DoRA runs on whole rows of a high-precision weight: FSDP, cp, pp and ep are fine)",
+             lo.use_dora)
     need(t.te_margin >= 0, "training.te_margin", ">= 0", t.te_margin)
     need(t.te_interval >= 1, "training.te_interval", ">= 1", t.te_interval)
     need(t.te_amax_history_len >= 1, "training.te_amax_history_len", ">= 1", t.te_amax_history_len)

@@ -52,26 +52,57 @@ def model_from_checkpoint(checkpoint: str | Path):
     cfg = _config_from_meta(meta)
     spec = get_train_spec(cfg.model.name)
     args = model_args(cfg.model, spec)
-    if meta.get("trainable_only"):  # a LoRA run's best checkpoint: the base comes from where the run started
-        if not cfg.model.init_from_hf:
-            raise ConvertError(f"{ckpt}: holds the trainable weights only, and its run started from no HF model")
-        from titan_sft.hf_io import resolve_hf_dir
-        from titan_sft.models import load_hf
-
-        model = load_hf(resolve_hf_dir(cfg.model.hf_assets_path))
-        args = model.args
+    identity = meta.get("base_identity")
+    if meta.get("trainable_only") and not cfg.model.init_from_hf:  # an older LoRA run's best checkpoint
+        raise ConvertError(f"{ckpt}: holds the trainable weights only, and its run started from no HF model")
+    if identity is not None or meta.get("trainable_only"):  # the frozen base is rebuilt where the run took it
+        model, args = _base_model(identity["source"] if identity else {"kind": "hf", "path": cfg.model.hf_assets_path},
+                                  args, spec, ckpt)
     else:
         model = build_model(args)
     if "lora" in cfg.model.converters:
         apply_lora(model, cfg)
-    if not meta.get("trainable_only"):
+    if identity is None and not meta.get("trainable_only"):
         model.to_empty(device="cpu")
     state = {"model": model_state(model)}
-    if meta.get("trainable_only"):
+    if identity is not None:
+        from titan_sft.base_identity import describe, fingerprint, first_difference
+
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        why = first_difference(identity["fingerprint"],
+                               fingerprint(state["model"], [k for k in state["model"] if k not in trainable]))
+        if why is not None:
+            raise ConvertError(f"{ckpt}: its base ({describe(identity['source'])}) is not what was trained on: {why}")
+        state["model"] = {k: v for k, v in state["model"].items()
+                          if k in trainable or k in dict(model.named_buffers())}
+    elif meta.get("trainable_only"):
         state["model"] = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
     return model.eval(), cfg, spec, args
+
+
+def _base_model(source: dict, args, spec, ckpt: Path):
+    """(model with the frozen base of an adapter-only checkpoint, its args), from the source the run recorded."""
+    from titan_sft.hf_io import resolve_hf_dir
+
+    if source["kind"] == "hf":
+        model = load_hf(resolve_hf_dir(source["path"]))
+        return model, model.args
+    model = build_model(args)
+    model.to_empty(device="cpu")
+    if source["kind"] == "dcp":
+        dcp.load({"model": model_state(model)}, checkpoint_id=str(source["path"]), no_dist=True)
+        return model, args
+    import torch
+
+    from titan_sft.parallel.distributed import init_sharded
+
+    with torch.device("meta"):
+        reference = spec.model_cls(args)
+    torch.manual_seed(int(source["seed"]))  # the run's seeded init (titan_sft.train.Trainer._random_init)
+    init_sharded(model, reference, torch.device("cpu"))
+    return model, args
 
 
 def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | None = None) -> Path:

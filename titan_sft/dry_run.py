@@ -102,6 +102,27 @@ def _mixture_lines(cfg: JobConfig) -> tuple[int | None, int, list[str]]:
     return ds.seq_len, T, lines
 
 
+def checkpoint_bytes(model: torch.nn.Module, frozen_bytes: int, frozen_base: str) -> dict[str, float]:
+    """Bytes of one DCP checkpoint of ``model`` (all ranks together): trainable parameters and their AdamW state
+    in fp32 (12 bytes each), and the frozen parameters (``frozen_bytes`` each) unless ``frozen_base`` is
+    "identity" (then only their fingerprint, a few numbers per tensor, is stored). Metadata not counted."""
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    base = frozen_bytes * frozen
+    return {"total": 12 * trained + (0 if frozen and frozen_base == "identity" else base), "base": base,
+            "frozen": frozen}
+
+
+def size_line(size: dict[str, float], frozen_base: str) -> str:
+    if not size["frozen"]:
+        return f"checkpoint size: {size['total'] / GIB:.2f} GiB (parameters and AdamW state, fp32)"
+    if frozen_base == "identity":
+        return (f"checkpoint size: {size['total'] / GIB:.3f} GiB (trainable parameters and their AdamW state; the "
+                f"frozen base's {size['base'] / GIB:.2f} GiB is not stored, only its source and fingerprint)")
+    return (f"checkpoint size: {size['total'] / GIB:.2f} GiB (the frozen base's {size['base'] / GIB:.2f} GiB "
+            "included: checkpoint.frozen_base = stored)")
+
+
 def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen_bytes: int = 4,
                     ep: int = 1) -> dict[str, float]:
     """Bytes per rank of parameters (trainable ones fp32, frozen ones ``frozen_bytes`` each: bf16 when the compute
@@ -219,10 +240,14 @@ def dry_run(cfg: JobConfig) -> str:
         apply_lora(model, cfg)
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
         n_all = sum(p.numel() for p in model.parameters())
-        lora_line = [f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {', '.join(cfg.lora.targets)}"
+        kind = "DoRA" if cfg.lora.use_dora else "LoRA"
+        lora_line = [f"{kind}: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}"
+                     f"{' (rsLoRA: scale alpha / sqrt(rank))' if cfg.lora.use_rslora else ''} on "
+                     f"{', '.join(cfg.lora.targets)}"
                      f"{' + norms' if cfg.lora.train_norms else ''}: {n_train / 1e6:,.2f}M trainable of "
                      f"{n_all / 1e6:,.1f}M parameters (optimizer state for those only)"]
     decay, no_decay = decay_groups(model, cfg.optimizer.decay_mask)
+    whole = model
     schedule_lines = []
     c = cfg.checkpoint
     if T:
@@ -278,6 +303,8 @@ def dry_run(cfg: JobConfig) -> str:
             f"memory below: pp rank {heaviest} (the heaviest: {parts[heaviest][0]} layers); activations of up to "
             f"{in_flight} microbatches in flight on it"]
     mem = memory_per_rank(model, plan, dp_shard * cp, tp, dtype_bytes, ep)
+    size = checkpoint_bytes(whole, dtype_bytes, cfg.checkpoint.frozen_base)
+    cadence += "\n" + size_line(size, cfg.checkpoint.frozen_base)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
     layout = [
         f"mesh: {f'pp {pp} x ' if pp > 1 else ''}dp_replicate {dp_rep} x dp_shard {dp_shard} x cp {cp} x tp {tp} = "

@@ -40,16 +40,17 @@ def _objective_record(*dirs: Path) -> dict:
 def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
     """Applies a PEFT LoRA adapter directory (written by titan_sft or PEFT) to a native model, in place."""
     from titan_sft.config import JobConfig
-    from titan_sft.lora import TARGETS, apply_lora, read_peft_adapter
+    from titan_sft.lora import TARGETS, apply_lora, is_adapter_key, read_peft_adapter
 
     conf, state = read_peft_adapter(adapter_dir)
     cfg = JobConfig()
     cfg.lora.rank, cfg.lora.alpha = int(conf["r"]), float(conf["lora_alpha"])
+    cfg.lora.use_rslora, cfg.lora.use_dora = bool(conf.get("use_rslora")), bool(conf.get("use_dora"))
     targets = conf["target_modules"]
     cfg.lora.targets = sorted(targets) if isinstance(targets, list) else [t for t in TARGETS if t in targets]
     cfg.lora.dropout = 0.0
     apply_lora(model, cfg)
-    missing = [n for n, _ in model.named_parameters() if n.endswith(("lora_a", "lora_b")) and n not in state]
+    missing = [n for n, _ in model.named_parameters() if is_adapter_key(n) and n not in state]
     if missing:
         raise GenerateError(f"{adapter_dir}: the adapter lacks {missing[0]} (and {len(missing) - 1} more)")
     model.load_state_dict(state, strict=False)

@@ -268,7 +268,7 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
     if rank() == 0:
         tdtype = DTYPES[dtype]
         if lora is not None:
-            from titan_sft.lora import merge_lora, save_peft_adapter
+            from titan_sft.lora import lora_scaling, merge_lora, save_peft_adapter
 
             if adapter_dir is not None:
                 adapter_dir = Path(adapter_dir)
@@ -280,7 +280,7 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
                     (tmp_adapter / "objective.json").write_text(json.dumps(objective, indent=2) + "\n")
                 shutil.rmtree(adapter_dir, ignore_errors=True)
                 tmp_adapter.rename(adapter_dir)
-            full = merge_lora(full, lora.alpha / lora.rank)
+            full = merge_lora(full, lora_scaling(lora))
         hf_sd = {k: v.to(tdtype).contiguous() for k, v in spec.state_dict_adapter(args).to_hf(full).items()}
         _write_safetensors(hf_sd, tmp, int(max_shard_gb * 1e9), save_file)
         biases = {routing_bias_layer(k): v for k, v in full.items() if routing_bias_layer(k) is not None}

@@ -48,35 +48,59 @@ EXTRA_TARGETS = {"in_proj_qkv": ("attention.in_proj_q", "attention.in_proj_k", "
                  "down_proj": ("feed_forward.shared_expert.w2",)}
 FUSED_QKV = ("in_proj_q", "in_proj_k", "in_proj_v")  # native parts of in_proj_qkv, in row order
 ADAPTER_KEYS = ("lora_a", "lora_b")
+MAGNITUDE = "lora_magnitude"  # DoRA's per-row magnitude of a linear (PEFT: lora_magnitude_vector)
 EXPERT_TARGETS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # HF name -> stacked expert weight
 EXPERT_ADAPTERS_FILE = "expert_adapters.safetensors"
 
 
-class LoRALinear(nn.Linear):
-    """nn.Linear (frozen) with a low-rank update; still an nn.Linear, so parallel styles apply to it."""
+def lora_scaling(lo: Lora) -> float:
+    """The update's scale: alpha / r, or alpha / sqrt(r) with rsLoRA (``lora.use_rslora``)."""
+    return lo.alpha / (math.sqrt(lo.rank) if lo.use_rslora else lo.rank)
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, key: str):
+
+class LoRALinear(nn.Linear):
+    """nn.Linear (frozen) with a low-rank update; still an nn.Linear, so parallel styles apply to it.
+
+    With ``dora`` (DoRA, as PEFT computes it): a trainable magnitude m [out] rescales each output row of the
+    adapted weight W + s B A to m / ||W + s B A||, the norm taken per row and detached (the DoRA paper's section
+    4.3): ``y = x W^T + (m / n - 1) x' W^T + (m / n) s x' A^T B^T`` with x' = dropout(x) (x' W^T is x W^T when
+    there is no dropout). m starts at ||W|| (B = 0), so training still starts from the base model exactly."""
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float, key: str, dora: bool = False):
         super().__init__(base.in_features, base.out_features, bias=False, device="meta")
         self.weight = base.weight
         self.weight.requires_grad_(False)
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
         self.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
-        self.scale = alpha / rank
+        self.lora_magnitude = (nn.Parameter(torch.empty(base.out_features, device=base.weight.device))
+                               if dora else None)
+        self.scale = scale
         self.dropout = dropout  # a float, not a submodule: parallel styles partition every submodule of a linear
         self.key = zlib.crc32(key.encode())  # seeds this module's init: the same for any layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + lora_update(self, x)
+        if self.lora_magnitude is None:
+            return F.linear(x, self.weight) + lora_update(self, x)
+        base = F.linear(x, self.weight)
+        h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        w = self.weight.to(x.dtype)
+        norm = torch.linalg.vector_norm(w + self.scale * (self.lora_b @ self.lora_a).detach().to(x.dtype), dim=1)
+        ratio = self.lora_magnitude / norm.detach()
+        dropped = base if h is x else F.linear(h, w)
+        return base + (ratio - 1) * dropped + ratio * F.linear(F.linear(h, self.lora_a), self.lora_b) * self.scale
 
     def reset_converter_parameters(self, seed: int) -> None:
         """A ~ kaiming-uniform (PEFT's init: bound 1 / sqrt(in)), B = 0, drawn whole on the CPU from (seed, module
-        name) and each rank keeps its shard, so every layout starts from the same adapters."""
+        name) and each rank keeps its shard, so every layout starts from the same adapters; DoRA's magnitude is
+        the base weight's row norms."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + self.key)
         bound = 1.0 / math.sqrt(self.in_features)
         a = torch.rand(self.lora_a.shape, generator=g, dtype=torch.float32) * 2 * bound - bound
         with torch.no_grad():
             for p, full in ((self.lora_a, a), (self.lora_b, torch.zeros(self.lora_b.shape))):
                 _copy_full(p, full)
+            if self.lora_magnitude is not None:
+                _copy_row_norms(self.lora_magnitude, self.weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale:g}"
@@ -112,12 +136,13 @@ def lora_update(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.linear(h, module.lora_a), module.lora_b) * module.scale
 
 
-def _add_lora_to_float8(base: nn.Module, rank: int, alpha: float, dropout: float, key: str) -> nn.Module:
+def _add_lora_to_float8(base: nn.Module, rank: int, scale: float, dropout: float, key: str) -> nn.Module:
     base.__class__ = _float8_lora_class()
     base.weight.requires_grad_(False)
     base.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
     base.lora_b = nn.Parameter(torch.empty(base.out_features, rank, device=base.weight.device))
-    base.scale, base.dropout, base.key = alpha / rank, dropout, zlib.crc32(key.encode())
+    base.lora_magnitude = None
+    base.scale, base.dropout, base.key = scale, dropout, zlib.crc32(key.encode())
     return base
 
 
@@ -149,19 +174,30 @@ class LoRAGroupedExperts(GroupedExperts):
                 _copy_full(b_p, torch.zeros(b_p.shape))
 
 
-def add_expert_lora(experts: GroupedExperts, targets: list[str], rank: int, alpha: float, dropout: float,
+def add_expert_lora(experts: GroupedExperts, targets: list[str], rank: int, scale: float, dropout: float,
                     key: str) -> list[str]:
     """Gives ``experts`` stacked per-expert adapters on the weights of ``targets`` (HF names: gate_proj, up_proj,
     down_proj; others are ignored); returns the adapted weights' names."""
     names = tuple(EXPERT_TARGETS[t] for t in targets if t in EXPERT_TARGETS)
     experts.__class__ = LoRAGroupedExperts
-    experts.lora_targets, experts.scale, experts.dropout, experts.key = names, alpha / rank, dropout, key
+    experts.lora_targets, experts.scale, experts.dropout, experts.key = names, scale, dropout, key
     for name in names:
         w = getattr(experts, name)
         e, out, inp = w.shape
         experts.register_parameter(f"{name}_lora_a", nn.Parameter(torch.empty(e, rank, inp, device=w.device)))
         experts.register_parameter(f"{name}_lora_b", nn.Parameter(torch.empty(e, out, rank, device=w.device)))
     return list(names)
+
+
+def _copy_row_norms(magnitude: torch.Tensor, weight: torch.Tensor) -> None:
+    """``magnitude`` := the row norms of ``weight`` (either plain, or DTensors: the norms are computed on the
+    weight's shards and placed as the magnitude is)."""
+    from torch.distributed.tensor import DTensor
+
+    norms = torch.linalg.vector_norm(weight, dim=1)
+    if isinstance(norms, DTensor):
+        norms = norms.full_tensor()
+    _copy_full(magnitude, norms.float())
 
 
 def is_float8_linear(module: nn.Module) -> bool:
@@ -198,14 +234,14 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
             if not isinstance(base, nn.Linear):  # an MoE block's MLP: routed experts, adapted below or frozen
                 continue
             if is_float8_linear(base):  # float8 ran first: keep its float8 base matmul, add the adapter beside it
-                _add_lora_to_float8(base, lo.rank, lo.alpha, lo.dropout, fqn)
+                _add_lora_to_float8(base, lo.rank, lora_scaling(lo), lo.dropout, fqn)
             else:
-                setattr(parent, attr, LoRALinear(base, lo.rank, lo.alpha, lo.dropout, fqn))
+                setattr(parent, attr, LoRALinear(base, lo.rank, lora_scaling(lo), lo.dropout, fqn, lo.use_dora))
             names.append(fqn)
         ff = getattr(block, "feed_forward", None)
         if lo.experts and isinstance(ff, MoE):
             fqn = f"layers.{i}.feed_forward.experts"
-            names += [f"{fqn}.{w}" for w in add_expert_lora(ff.experts, lo.targets, lo.rank, lo.alpha, lo.dropout,
+            names += [f"{fqn}.{w}" for w in add_expert_lora(ff.experts, lo.targets, lo.rank, lora_scaling(lo), lo.dropout,
                                                             fqn)]
     if lo.train_norms:
         for name, p in model.named_parameters():
@@ -221,12 +257,12 @@ def _submodule_or_none(module: nn.Module, path: str) -> nn.Module | None:
 
 
 def is_adapter_key(name: str) -> bool:
-    return name.endswith(ADAPTER_KEYS)
+    return name.endswith((*ADAPTER_KEYS, MAGNITUDE))
 
 
 def is_expert_adapter_key(name: str) -> bool:
     """An expert weight's stacked adapter (``...experts.w1_lora_a``), as opposed to a linear's (``...wq.lora_a``)."""
-    return is_adapter_key(name) and name.rsplit(".", 1)[-1] not in ADAPTER_KEYS
+    return is_adapter_key(name) and name.rsplit(".", 1)[-1] not in (*ADAPTER_KEYS, MAGNITUDE)
 
 
 def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -240,14 +276,18 @@ def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.
         prefix = name[: -len("weight")] if name.endswith(".weight") else name + "_"
         if prefix + "lora_a" in state:
             a, b = state[prefix + "lora_a"].float(), state[prefix + "lora_b"].float()
-            t = (t.float() + scale * (b @ a)).to(t.dtype)
+            merged = t.float() + scale * (b @ a)
+            if prefix + MAGNITUDE in state:  # DoRA: each row rescaled to its trained magnitude
+                m = state[prefix + MAGNITUDE].float()
+                merged = merged * (m / torch.linalg.vector_norm(merged, dim=1)).unsqueeze(1)
+            t = merged.to(t.dtype)
         out[name] = t
     return out
 
 
 def lora_scale(cfg: JobConfig) -> float | None:
-    """alpha / rank when the run uses LoRA, else None."""
-    return cfg.lora.alpha / cfg.lora.rank if "lora" in cfg.model.converters else None
+    """The LoRA update's scale (:func:`lora_scaling`) when the run uses LoRA, else None."""
+    return lora_scaling(cfg.lora) if "lora" in cfg.model.converters else None
 
 
 def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | Path, base_model: str | None,
@@ -265,11 +305,12 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
         if is_expert_adapter_key(name):
             experts[name] = t.contiguous()  # native names: layers.<i>.feed_forward.experts.<w>_lora_<a|b>
         elif is_adapter_key(name) and name.rsplit(".", 2)[-2] in FUSED_QKV:
-            qkv.setdefault(name.rsplit(".", 2)[0], {})[name.rsplit(".", 2)[-2] + "." + name[-6:]] = t
+            qkv.setdefault(name.rsplit(".", 2)[0], {})[".".join(name.rsplit(".", 2)[-2:])] = t
         elif is_adapter_key(name):
-            base = native_to_hf(name[: -len("lora_a")] + "weight")[: -len(".weight")]
-            kind = "lora_A" if name.endswith("lora_a") else "lora_B"
-            tensors[f"base_model.model.{base}.{kind}.weight"] = t.contiguous()
+            module, kind = name.rsplit(".", 1)
+            base = native_to_hf(module + ".weight")[: -len(".weight")]
+            key = {"lora_a": "lora_A.weight", "lora_b": "lora_B.weight", MAGNITUDE: "lora_magnitude_vector"}[kind]
+            tensors[f"base_model.model.{base}.{key}"] = t.contiguous()
         elif train_norms and "norm" in name:
             hf = native_to_hf(name)
             tensors[f"base_model.model.{hf}"] = t.contiguous()
@@ -282,22 +323,27 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
         base = f"model.{prefix.rsplit('.', 1)[0]}.linear_attn.in_proj_qkv"
         tensors[f"base_model.model.{base}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{base}.lora_B.weight"] = b.contiguous()
+        if f"in_proj_q.{MAGNITUDE}" in parts:  # DoRA: B is block-diagonal, so each row's norm is its part's
+            tensors[f"base_model.model.{base}.lora_magnitude_vector"] = torch.cat(
+                [parts[f"{p}.{MAGNITUDE}"] for p in FUSED_QKV]).contiguous()
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": lo.rank, "lora_alpha": lo.alpha, "lora_dropout": lo.dropout, "target_modules": sorted(lo.targets),
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-        "modules_to_save": sorted(norm_modules) or None, "use_rslora": False, "use_dora": False,
+        "modules_to_save": sorted(norm_modules) or None, "use_rslora": lo.use_rslora, "use_dora": lo.use_dora,
     }
     if qkv:
         parts = next(iter(qkv.values()))
-        config.update(rank_pattern={"in_proj_qkv": 3 * lo.rank}, alpha_pattern={"in_proj_qkv": 3 * lo.alpha},
+        # the fused adapter's alpha keeps the scale: 3 alpha / 3r, or with rsLoRA sqrt(3) alpha / sqrt(3r)
+        alpha = (math.sqrt(3) if lo.use_rslora else 3) * lo.alpha
+        config.update(rank_pattern={"in_proj_qkv": 3 * lo.rank}, alpha_pattern={"in_proj_qkv": alpha},
                       titan_sft_qkv_rows=[parts[f"{p}.lora_b"].shape[0] for p in FUSED_QKV])
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     if experts:
         # peft reaches Qwen3-MoE's experts only as transformers' fused 3-D gate_up_proj / down_proj parameters
         # (target_parameters), where separate gate and up adapters have no exact place; titan_sft keeps them
         # stacked beside the PEFT files, by native name (read back by warm starts; the merged export has them).
-        save_file(experts, str(out_dir / EXPERT_ADAPTERS_FILE), metadata={"format": "pt", "scale": str(lo.alpha / lo.rank)})
+        save_file(experts, str(out_dir / EXPERT_ADAPTERS_FILE), metadata={"format": "pt", "scale": str(lora_scaling(lo))})
         config["titan_sft_expert_adapters"] = EXPERT_ADAPTERS_FILE
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -375,7 +421,8 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     state = {}
     for name, t in load_file(str(d / "adapter_model.safetensors")).items():
         hf = name.removeprefix("base_model.model.")
-        for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b")):
+        for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b"),
+                             (".lora_magnitude_vector", MAGNITUDE)):
             if hf.endswith(kind) and hf.endswith("in_proj_qkv" + kind):
                 state.update(_split_qkv_adapter(hf[: -len(kind)], native, t, conf))
                 break
@@ -398,6 +445,8 @@ def _split_qkv_adapter(hf_module: str, kind: str, t: torch.Tensor, conf: dict) -
         raise ValueError(f"{hf_module}: an in_proj_qkv adapter not written by titan_sft (no titan_sft_qkv_rows in "
                          "adapter_config.json) has no exact split into q, k and v adapters")
     prefix = hf_module.removeprefix("model.").replace("linear_attn.in_proj_qkv", "attention")
+    if kind == MAGNITUDE:
+        return {f"{prefix}.{p}.{MAGNITUDE}": part for p, part in zip(FUSED_QKV, t.split(sizes))}
     if kind == "lora_a":
         r = t.shape[0] // 3
         return {f"{prefix}.{p}.lora_a": t[j * r:(j + 1) * r] for j, p in enumerate(FUSED_QKV)}
@@ -427,7 +476,7 @@ def warm_start(model: nn.Module, adapter_dir: str | Path, lo: Lora) -> int:
     with torch.no_grad():
         for name, p in model.named_parameters():
             key = unwrapped_name(name)
-            if key.endswith(ADAPTER_KEYS) and key not in state:
+            if is_adapter_key(key) and key not in state:
                 raise ConfigError(f"config key 'lora.init_from': {d} lacks {key} (targets {conf.get('target_modules')})")
             if p.requires_grad and key in state:
                 _copy_full(p, state[key].float())
