@@ -591,3 +591,48 @@ def test_float8_for_the_experts_is_gated_and_high_precision_unwraps_it(caplog):
     ids = torch.randint(0, args.vocab_size, (2, 16))
     with torch.no_grad(), high_precision_matmuls(model):
         assert torch.equal(model(ids), base(ids))
+
+
+@pytest.mark.parametrize("targets,rslora", [("q_proj,gate_proj,up_proj,down_proj", False),
+                                            ("gate_proj,down_proj", True), ("up_proj", False)])
+def test_expert_adapters_load_in_peft_through_target_parameters(tmp_path, targets, rslora):
+    """Expert adapters in PEFT's format (issue 37, item 4): PEFT loads the adapter directory onto transformers'
+    Qwen3-MoE (fused gate_up_proj / down_proj through target_parameters) and its logits equal titan_sft's (1e-5);
+    titan_sft reads its own factors back exactly."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from titan_sft.config import load_config
+    from titan_sft.lora import apply_lora, is_adapter_key, read_peft_adapter, save_peft_adapter
+    from titan_sft.models import load_hf
+    from titan_sft.models.hf_adapter import native_to_hf_name
+
+    _hf_moe(tmp_path / "base")
+    model = load_hf(tmp_path / "base")
+    cfg = load_config(None, ["--model.converters", "lora", "--lora.experts", "true", "--lora.rank", "8",
+                             "--lora.alpha", "16", "--lora.targets", targets, "--lora.use_rslora", str(rslora).lower()])
+    apply_lora(model, cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_adapter_key(n):
+                p.normal_(std=0.1)
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter_key(n)}
+    save_peft_adapter(state, cfg.lora, tmp_path / "adapter", None, False, native_to_hf_name)
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["target_parameters"]
+    ids = torch.randint(0, 320, (2, 20))
+    with torch.no_grad():
+        ours = model(ids)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+        before = base(input_ids=ids).logits
+        theirs = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+    assert (theirs - ours).abs().max().item() < 1e-5
+    assert (theirs - before).abs().max().item() > 1e-2  # the expert adapters change the output
+    _, back = read_peft_adapter(tmp_path / "adapter")
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    from titan_sft.generate import load_model
+
+    again, _, _ = load_model(str(tmp_path / "adapter"), base=str(tmp_path / "base"))  # titan_sft's own reader
+    with torch.no_grad():
+        assert torch.equal(again(ids), ours)

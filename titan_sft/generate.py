@@ -40,14 +40,18 @@ def _objective_record(*dirs: Path) -> dict:
 def load_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
     """Applies a PEFT LoRA adapter directory (written by titan_sft or PEFT) to a native model, in place."""
     from titan_sft.config import JobConfig
-    from titan_sft.lora import TARGETS, apply_lora, is_adapter_key, read_peft_adapter
+    from titan_sft.lora import EXPERT_TARGETS, TARGETS, apply_lora, is_adapter_key, read_peft_adapter
 
     conf, state = read_peft_adapter(adapter_dir)
     cfg = JobConfig()
     cfg.lora.rank, cfg.lora.alpha = int(conf["r"]), float(conf["lora_alpha"])
     cfg.lora.use_rslora, cfg.lora.use_dora = bool(conf.get("use_rslora")), bool(conf.get("use_dora"))
+    cfg.lora.experts = bool(conf.get("titan_sft_expert_adapters"))  # the routed experts' adapters too
     targets = conf["target_modules"]
     cfg.lora.targets = sorted(targets) if isinstance(targets, list) else [t for t in TARGETS if t in targets]
+    # the routed experts' targets (and a dense MLP's beside them) are not in target_modules: PEFT names them apart
+    cfg.lora.targets = sorted({*cfg.lora.targets, *conf.get("titan_sft_dense_mlp_adapters", []),
+                               *(hf for hf, w in EXPERT_TARGETS.items() if any(k.endswith(f".{w}_lora_a") for k in state))})
     cfg.lora.dropout = 0.0
     apply_lora(model, cfg)
     missing = [n for n, _ in model.named_parameters() if is_adapter_key(n) and n not in state]

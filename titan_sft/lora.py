@@ -338,15 +338,71 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
         alpha = (math.sqrt(3) if lo.use_rslora else 3) * lo.alpha
         config.update(rank_pattern={"in_proj_qkv": 3 * lo.rank}, alpha_pattern={"in_proj_qkv": alpha},
                       titan_sft_qkv_rows=[parts[f"{p}.lora_b"].shape[0] for p in FUSED_QKV])
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     if experts:
-        # peft reaches Qwen3-MoE's experts only as transformers' fused 3-D gate_up_proj / down_proj parameters
-        # (target_parameters), where separate gate and up adapters have no exact place; titan_sft keeps them
-        # stacked beside the PEFT files, by native name (read back by warm starts; the merged export has them).
+        # PEFT reaches the routed experts as transformers' fused 3-D parameters (target_parameters); the same
+        # factors in PEFT's layout go into adapter_model.safetensors (peft_expert_tensors). titan_sft's own
+        # per-projection factors are kept beside, by native name: what warm starts read back exactly.
+        peft_tensors, params = peft_expert_tensors(experts)
+        tensors.update(peft_tensors)
+        # gate_up_proj: rank 2r with alpha 2 alpha (rsLoRA: sqrt(2) alpha) keeps the scale, as for in_proj_qkv
+        config["target_parameters"] = params
+        if "mlp.experts.gate_up_proj" in params:
+            config.setdefault("rank_pattern", {})["mlp.experts.gate_up_proj"] = 2 * lo.rank
+            config.setdefault("alpha_pattern", {})["mlp.experts.gate_up_proj"] = (
+                (math.sqrt(2) if lo.use_rslora else 2) * lo.alpha)
         save_file(experts, str(out_dir / EXPERT_ADAPTERS_FILE), metadata={"format": "pt", "scale": str(lora_scaling(lo))})
         config["titan_sft_expert_adapters"] = EXPERT_ADAPTERS_FILE
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    linear = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in tensors
+              if ".lora_" in k and ".mlp.experts." not in k}
+    if experts:
+        # PEFT remaps MLP names in target_modules to the fused expert parameters of an MoE model (its transformers
+        # v4 -> v5 conversion) and drops them as modules: the experts are named by target_parameters instead. A
+        # dense layer's MLP adapters of such a model then have no name PEFT keeps (vllm_lora_problems says so).
+        config["titan_sft_dense_mlp_adapters"] = sorted(linear & set(EXPERT_TARGETS))
+        linear -= set(EXPERT_TARGETS)
+    config["target_modules"] = sorted(linear & set(lo.targets)) or ([] if experts else sorted(lo.targets))
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def peft_expert_tensors(experts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """titan_sft's stacked per-expert adapters (native names) as PEFT applies LoRA to transformers' fused expert
+    parameters (``target_parameters``): (adapter tensors by PEFT key, the targeted parameter names).
+
+    Per layer and expert e: ``gate_up_proj[e]`` [2I, H] gets A = [A_gate; A_up] [2r, H] and the block-diagonal
+    B = [[B_gate, 0], [0, B_up]] [2I, 2r], so B A is exactly the gate and the up update stacked (rank 2r, as
+    PEFT itself fuses per-expert gate and up adapters); ``down_proj[e]`` [H, I] gets its own rank-r factors. PEFT
+    stores an adapter of rank r' on E experts as ``lora_A.weight`` [E * r', in] (expert-major) and
+    ``lora_B.weight`` [out, r' * E] (rank-major). Where both
+    parameters of a layer are adapted PEFT nests its wrappers, gate_up_proj inside: its keys carry
+    ``base_layer.``."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in experts.items():
+        prefix, leaf = name.rsplit(".", 1)  # layers.<i>.feed_forward.experts, w1_lora_a
+        layers.setdefault(prefix, {})[leaf] = t
+    out, params = {}, []
+    for prefix, f in layers.items():
+        module = f"model.{prefix.split('.')[0]}.{prefix.split('.')[1]}.mlp.experts"
+        parts = []
+        if "w1_lora_a" in f or "w3_lora_a" in f:
+            ref_a, ref_b = (f.get(f"w1_{k}", f.get(f"w3_{k}")) for k in ("lora_a", "lora_b"))
+            a = [f.get(f"w{w}_lora_a", torch.zeros_like(ref_a)) for w in (1, 3)]
+            b = [f.get(f"w{w}_lora_b", torch.zeros_like(ref_b)) for w in (1, 3)]
+            e, rows, r = b[0].shape
+            bd = torch.zeros(e, 2 * rows, 2 * r, dtype=b[0].dtype)
+            bd[:, :rows, :r], bd[:, rows:, r:] = b[0], b[1]
+            parts.append(("gate_up_proj", torch.cat(a, dim=1), bd))
+        if "w2_lora_a" in f:
+            parts.append(("down_proj", f["w2_lora_a"], f["w2_lora_b"]))
+        for depth, (param, a, b) in enumerate(parts):
+            key = f"base_model.model.{module}." + "base_layer." * (len(parts) - 1 - depth)
+            e, r2, inp = a.shape
+            out[key + "lora_A.weight"] = a.reshape(e * r2, inp).contiguous()
+            out[key + "lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r2 * e).contiguous()
+            if f"mlp.experts.{param}" not in params:
+                params.append(f"mlp.experts.{param}")
+    return out, params
 
 
 def trainable_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -421,6 +477,8 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     state = {}
     for name, t in load_file(str(d / "adapter_model.safetensors")).items():
         hf = name.removeprefix("base_model.model.")
+        if ".mlp.experts." in hf and conf.get("titan_sft_expert_adapters"):
+            continue  # PEFT's layout of the experts' adapters: titan_sft's own factors are read below
         for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b"),
                              (".lora_magnitude_vector", MAGNITUDE)):
             if hf.endswith(kind) and hf.endswith("in_proj_qkv" + kind):
@@ -502,11 +560,18 @@ def vllm_lora_problems(adapter_dir: str | Path) -> list[str]:
     if conf.get("modules_to_save"):
         problems.append(f"modules_to_save {conf['modules_to_save']} (trained norms): vLLM applies LoRA weights only")
     if conf.get("titan_sft_expert_adapters"):
-        problems.append(f"{conf['titan_sft_expert_adapters']}: the routed experts' adapters are outside the PEFT "
-                        "weights (serve the merged export)")
+        problems.append("the routed experts' adapters are PEFT target_parameters on the fused 3-D expert "
+                        "parameters, outside the linear modules checked here (serve the merged export)")
+    if conf.get("titan_sft_dense_mlp_adapters"):
+        problems.append(f"dense MLP adapters ({', '.join(conf['titan_sft_dense_mlp_adapters'])}) in a model with "
+                        "routed experts: PEFT maps those names to the experts and drops them")
+    if conf.get("use_dora"):
+        problems.append("use_dora: vLLM serves no DoRA adapter (serve the merged export)")
     pattern = re.compile(r"^base_model\.model\.(.+)\.lora_[AB]\.weight$")
     with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
         for key in f.keys():
+            if ".mlp.experts." in key or key.endswith("lora_magnitude_vector"):
+                continue  # said above
             m = pattern.match(key)
             if m is None:
                 if not conf.get("modules_to_save"):
