@@ -131,3 +131,21 @@ def test_dora_with_rslora_trains_the_same_on_two_fsdp_ranks_as_on_one(tmp_path):
     # the exported q_proj is W' = (m / ||W + s B A||) (W + s B A): its row norms are the trained magnitudes
     assert torch.allclose(wa["model.layers.0.self_attn.q_proj.weight"].norm(dim=1), m, rtol=1e-5)
     assert one[-1]["loss"] < one[0]["loss"]
+
+
+@pytest.mark.slow
+def test_a_weights_only_start_resumes_its_own_checkpoint_on_the_same_command(tmp_path):
+    """`--checkpoint.resume <weights-only checkpoint>` is where the run starts: rerun with the same command after
+    a stop (a requeue), it continues from its own checkpoint in the same folder (before: from step 0, in a new
+    folder), the base's identity names the weights-only checkpoint, and the steps equal an uninterrupted run."""
+    from titan_sft.convert import from_hf
+
+    start = from_hf(str(ROOT / "titan_sft/assets/debug_base"), str(tmp_path / "start"))
+    common = [*LORA, "--checkpoint.resume", str(start)]
+    straight = run(1, tmp_path / "straight", *common)
+    run(1, tmp_path / "split", *common, "--training.stop_at_step", "4")
+    meta = json.loads((tmp_path / "split" / "checkpoints-temp" / "meta.json").read_text())
+    assert meta["base_identity"]["source"] == {"kind": "dcp", "path": str(start)}
+    resumed = run(1, tmp_path / "split", *common)
+    assert [r["step"] for r in resumed] == list(range(1, 9)) and not (tmp_path / "split-1").exists()
+    assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in straight[4:]]
