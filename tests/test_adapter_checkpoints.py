@@ -5,6 +5,7 @@ is refused with one line, and the checkpoint converts to the same HF weights as 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -149,3 +150,21 @@ def test_a_weights_only_start_resumes_its_own_checkpoint_on_the_same_command(tmp
     resumed = run(1, tmp_path / "split", *common)
     assert [r["step"] for r in resumed] == list(range(1, 9)) and not (tmp_path / "split-1").exists()
     assert [r["loss"] for r in resumed[4:]] == [r["loss"] for r in straight[4:]]
+
+
+def test_dry_run_prints_the_checkpoint_size(monkeypatch):
+    """Qwen3-30B-A3B LoRA (attention + norms): 12 bytes per trainable parameter (fp32 value, AdamW's two
+    moments), the bf16 base not stored; with frozen_base = "stored" the base's bytes are added."""
+    from titan_sft.config import load_config
+    from titan_sft.dry_run import dry_run
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = ["--model.init_from_hf", "false", "--model.flavor", "30B-A3B", "--model.hf_assets_path", ""]
+    plan = dry_run(load_config("train_configs/qwen3_30b_a3b_lora.toml", args))
+    trainable = float(re.search(r"LoRA: .*: ([\d.]+)M trainable", plan).group(1)) * 1e6
+    size = float(re.search(r"checkpoint size: ([\d.]+) GiB \(trainable parameters and their AdamW state; the "
+                           r"frozen base's ([\d.]+) GiB is not stored", plan).group(1))
+    assert size == pytest.approx(12 * trainable / 2**30, abs=1e-3)
+    stored = dry_run(load_config("train_configs/qwen3_30b_a3b_lora.toml", [*args, "--checkpoint.frozen_base", "stored"]))
+    full = float(re.search(r"checkpoint size: ([\d.]+) GiB \(the frozen base's ([\d.]+) GiB included", stored).group(1))
+    assert full > 50 and full == pytest.approx(size + 2 * 30.53e9 / 2**30, rel=1e-2)
