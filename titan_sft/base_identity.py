@@ -20,6 +20,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from titan_sft.parallel import comm
+
 REL_TOL = 1e-9
 _CHUNK = 1 << 24  # elements reduced at once in float64: at most 128 MiB of temporary memory
 
@@ -71,7 +73,7 @@ def fingerprint(state: dict[str, torch.Tensor], names: list[str]) -> dict[str, l
         stats = torch.stack([s for _, s, _, _ in members])
         mesh, dims = members[0][2], members[0][3]
         for i in dims:
-            dist.all_reduce(stats, group=mesh.get_group(i))
+            comm.all_reduce(stats, group=mesh.get_group(i), what="base fingerprint")
         mine.update({n: row for (n, *_), row in zip(members, stats.cpu().tolist())})
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
