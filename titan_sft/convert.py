@@ -57,7 +57,7 @@ def model_from_checkpoint(checkpoint: str | Path):
         raise ConvertError(f"{ckpt}: holds the trainable weights only, and its run started from no HF model")
     if identity is not None or meta.get("trainable_only"):  # the frozen base is rebuilt where the run took it
         model, args = _base_model(identity["source"] if identity else {"kind": "hf", "path": cfg.model.hf_assets_path},
-                                  args, spec, ckpt)
+                                  args, spec)
     else:
         model = build_model(args)
     if "lora" in cfg.model.converters:
@@ -73,8 +73,8 @@ def model_from_checkpoint(checkpoint: str | Path):
                                fingerprint(state["model"], [k for k in state["model"] if k not in trainable]))
         if why is not None:
             raise ConvertError(f"{ckpt}: its base ({describe(identity['source'])}) is not what was trained on: {why}")
-        state["model"] = {k: v for k, v in state["model"].items()
-                          if k in trainable or k in dict(model.named_buffers())}
+        stored = trainable | {n for n, _ in model.named_buffers()}
+        state["model"] = {k: v for k, v in state["model"].items() if k in stored}
     elif meta.get("trainable_only"):
         state["model"] = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
@@ -82,7 +82,7 @@ def model_from_checkpoint(checkpoint: str | Path):
     return model.eval(), cfg, spec, args
 
 
-def _base_model(source: dict, args, spec, ckpt: Path):
+def _base_model(source: dict, args, spec):
     """(model with the frozen base of an adapter-only checkpoint, its args), from the source the run recorded."""
     from titan_sft.hf_io import resolve_hf_dir
 
