@@ -302,6 +302,9 @@ class Lora:
     use_rslora: bool = doc(False, "rank-stabilised LoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank")
     use_dora: bool = doc(False, "DoRA: a trained magnitude per output row of each adapted linear (PEFT's use_dora); "
                                 "not with tensor parallel, float8 or lora.experts")
+    base_quant: Literal["none", "nf4"] = doc(
+        "none", "QLoRA: 'nf4' stores the frozen linear and expert weights of the blocks in 4-bit NormalFloat "
+                "(torchao's format; embedding, head, norms and routers stay as they are), dequantized per matmul")
     experts: bool = doc(False, "models with routed experts: also adapt every expert's weights among the targets "
                                "(gate/up/down_proj), with per-expert factors stored stacked")
     init_from: str = doc("", "warm start: a PEFT LoRA adapter directory (titan_sft's adapters/* or peft's) whose "
@@ -620,6 +623,14 @@ def validate(cfg: JobConfig) -> None:
         need(not (lo.use_dora and clash and "lora" in cfg.model.converters), "lora.use_dora",
              f"false with {why} (DoRA runs on whole rows of a high-precision weight: FSDP, cp, pp and ep are fine)",
              lo.use_dora)
+    need(lo.base_quant == "none" or "lora" in cfg.model.converters, "lora.base_quant",
+         "'none' unless model.converters holds \"lora\" (the base is only frozen under LoRA)", lo.base_quant)
+    for why, clash in (("parallelism.tp > 1", cfg.parallelism.tp > 1), ("parallelism.ep > 1", cfg.parallelism.ep > 1),
+                       ("training.float8", t.float8), ("lora.use_dora", lo.use_dora)):
+        # NF4 weights are flat codes: no tensor-parallel or expert placement of rows, no float8 of them, and
+        # DoRA's row norms would need whole rows of each weight
+        need(not (lo.base_quant == "nf4" and clash and "lora" in cfg.model.converters), "lora.base_quant",
+             f"'none' with {why} (an NF4 base runs with FSDP/HSDP, cp and pp)", lo.base_quant)
     need(t.te_margin >= 0, "training.te_margin", ">= 0", t.te_margin)
     need(t.te_interval >= 1, "training.te_interval", ">= 1", t.te_interval)
     need(t.te_amax_history_len >= 1, "training.te_amax_history_len", ">= 1", t.te_amax_history_len)

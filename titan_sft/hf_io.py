@@ -121,20 +121,62 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
 
     DCP's ``HuggingFaceStorageReader`` reads the safetensors files; no rank builds a whole copy. Names and shapes
     are checked against the safetensors headers first, so a missing tensor or a shape (vocab) mismatch is an
-    error naming the tensor.
+    error naming the tensor. NF4 weights (QLoRA, :mod:`titan_sft.nf4`) are read whole, one block at a time, and
+    each rank keeps its shard of their codes.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from titan_sft import nf4
+    from titan_sft.checkpoint import model_state, with_aliases
     from titan_sft.lora import is_adapter_key
+    from titan_sft.parallel.distributed import transient_group, unwrapped_name
+
+    # LoRA adapters are not in an HF checkpoint; they start from their own init (titan_sft.lora).
+    # model_state: a pipeline's last stage reads its copy of a tied head under the embedding's name
+    state = {k: v for k, v in model_state(model).items() if not is_adapter_key(k) and not nf4.is_nf4_key(k)}
+    with transient_group() as pg:  # not the long-lived default group: it would slow every later CPU step
+        native = _read_hf(state, args, path, spec, pg)
+    # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
+    # again keeps this correct for wrappers whose state dict holds copies.
+    set_model_state_dict(model, with_aliases(model, native), options=StateDictOptions(strict=False))
+    quantized = nf4.quantized_weights(model)
+    for keys in _by_layer(quantized):
+        full = read_hf_weights({k: nf4.full_shape(*quantized[k]) for k in keys}, args, path, spec)
+        for k, w in full.items():
+            nf4.fill(*quantized[k], w)
+    biases = read_routing_bias(resolve_hf_dir(path), args) if args.router_bias else None
+    held = {unwrapped_name(n): b for n, b in model.named_buffers()}  # a pipeline stage holds some layers only
+    with torch.no_grad():
+        for name, values in (biases or {}).items():
+            if name in held:
+                held[name].copy_(values)
+
+
+def _by_layer(keys) -> list[list[str]]:
+    """Native keys grouped by their block (``layers.<i>.``), in order."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        groups.setdefault(".".join(k.split(".")[:2]), []).append(k)
+    return list(groups.values())
+
+
+def read_hf_weights(shapes: dict[str, tuple[int, ...]], args: TransformerArgs, path: str | Path,
+                    spec: TrainSpec, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Whole native tensors (on the CPU, in ``dtype``) of the native keys ``shapes`` from an HF directory, read
+    by this process alone (no collective: any rank may call it, alone or not)."""
+    state = {k: torch.empty(shape, dtype=dtype) for k, shape in shapes.items()}
+    native = _read_hf(dict(state), args, path, spec, None)
+    return {k: native.get(k, state[k]) for k in shapes}
+
+
+def _read_hf(state: dict, args: TransformerArgs, path, spec: TrainSpec, pg) -> dict:
+    """Reads the HF tensors of the native ``state`` (parameters, sharded or not, or plain tensors: each receives
+    its own part) in place; returns the native state DCP produced (``from_hf`` of what it read, without the
+    stacked experts and fused rows, which are copied in place). ``pg`` None: this process reads alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     adapter = spec.state_dict_adapter(args)
-    # LoRA adapters are not in an HF checkpoint; they start from their own init (titan_sft.lora).
-    from titan_sft.checkpoint import model_state, with_aliases
-
-    # model_state: a pipeline's last stage reads its copy of a tied head under the embedding's name
-    state = {k: v for k, v in model_state(model).items() if not is_adapter_key(k)}
     # Stacked experts are read apart: each rank copies the experts of its own shard from the per-expert tensors.
     experts = {k: state.pop(k) for k in list(state) if expert_hf_names(k, args.n_experts)}
     # Row blocks of one HF tensor (Gated DeltaNet's q/k/v) likewise: each rank reads the rows of its own shard.
@@ -146,23 +188,14 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
             raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
         if tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
-    from titan_sft.parallel.distributed import transient_group, unwrapped_name
-
-    with transient_group() as pg:  # not the long-lived default group: it would slow every later CPU step
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(resolve_hf_dir(path))), process_group=pg)
-    # FSDP2's state dict holds the parameters themselves, so the load above already wrote into them; setting it
-    # again keeps this correct for wrappers whose state dict holds copies.
-    set_model_state_dict(model, with_aliases(model, adapter.from_hf(hf_state)), options=StateDictOptions(strict=False))
+    if hf_state:
+        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(resolve_hf_dir(path))), process_group=pg,
+                 no_dist=pg is None)
     if experts:
         _load_expert_shards(experts, args, path, shapes)
     if fused:
         _load_fused_rows(fused, args, path, shapes)
-    biases = read_routing_bias(resolve_hf_dir(path), args) if args.router_bias else None
-    held = {unwrapped_name(n): b for n, b in model.named_buffers()}  # a pipeline stage holds some layers only
-    with torch.no_grad():
-        for name, values in (biases or {}).items():
-            if name in held:
-                held[name].copy_(values)
+    return adapter.from_hf(hf_state) if hf_state else {}
 
 
 def _local_part(param):
@@ -267,6 +300,7 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
                                                                                         cpu_offload=True))
     if rank() == 0:
         tdtype = DTYPES[dtype]
+        full = _unquantized(full, args, spec, base_model)
         if lora is not None:
             from titan_sft.lora import lora_scaling, merge_lora, save_peft_adapter
 
@@ -303,6 +337,27 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
             (tmp / "generation_config.json").write_text(json.dumps(build_generation_config(config, tokenizer), indent=2))
     finalize(tmp, out_dir)
     return out_dir
+
+
+def _unquantized(full: dict, args: TransformerArgs, spec: TrainSpec, base_model: str | None) -> dict:
+    """A gathered state dict with its NF4 weights (QLoRA) back in high precision: the original weights of the
+    HF directory the run started from (the merge then lands on the weights users serve), or, for a base without
+    one (a seeded init), the dequantized NF4 values the run computed with."""
+    from titan_sft import nf4
+
+    keys = [w for k in full if (w := nf4.weight_key(k)) is not None]
+    if not keys:
+        return full
+    with torch.device("meta"):
+        shapes = {k: tuple(p.shape) for k, p in spec.model_cls(args).named_parameters() if k in keys}
+    dtype = next(v.dtype for k, v in full.items() if v.is_floating_point() and not nf4.is_nf4_key(k))
+    if base_model:
+        originals = {}
+        for group in _by_layer(shapes):  # one block's weights in fp32 at a time
+            originals.update({k: v.to(dtype) for k, v in read_hf_weights({k: shapes[k] for k in group}, args,
+                                                                          base_model, spec).items()})
+        return nf4.restore(full, originals)
+    return nf4.dequantized_state(full, shapes, dtype)
 
 
 def _write_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, limit: int, save_file) -> None:

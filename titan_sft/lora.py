@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_sft import nf4
 from titan_sft.config import JobConfig, Lora
+from titan_sft.constants import DTYPES
 from titan_sft.models.moe import GroupedExperts, MoE, local
 from titan_sft.registry import register_converter
 
@@ -80,7 +82,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_magnitude is None:
-            return F.linear(x, self.weight) + lora_update(self, x)
+            return self.base_linear(x) + lora_update(self, x)
         base = F.linear(x, self.weight)
         h = F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
         w = self.weight.to(x.dtype)
@@ -88,6 +90,10 @@ class LoRALinear(nn.Linear):
         ratio = self.lora_magnitude / norm.detach()
         dropped = base if h is x else F.linear(h, w)
         return base + (ratio - 1) * dropped + ratio * F.linear(F.linear(h, self.lora_a), self.lora_b) * self.scale
+
+    def base_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T with the frozen base weight."""
+        return F.linear(x, self.weight)
 
     def reset_converter_parameters(self, seed: int) -> None:
         """A ~ kaiming-uniform (PEFT's init: bound 1 / sqrt(in)), B = 0, drawn whole on the CPU from (seed, module
@@ -104,6 +110,63 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_a.shape[0]}, scale={self.scale:g}"
+
+
+class NF4LoRALinear(LoRALinear):
+    """A LoRALinear whose frozen base weight is stored in NF4 (``lora.base_quant``, :mod:`titan_sft.nf4`)."""
+
+    def base_linear(self, x: torch.Tensor) -> torch.Tensor:
+        return nf4.linear(self, x)
+
+
+class NF4Linear(nn.Linear):
+    """A frozen linear without adapters whose weight is stored in NF4 (a projection outside ``lora.targets``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nf4.linear(self, x)
+
+
+class NF4Experts:
+    """Mixed into a model's (LoRA) GroupedExperts class: its stacked weights are stored in NF4 and dequantized
+    whole for each grouped GEMM (the dequantized weight lives until the layer's backward: a block's experts at a
+    time under activation checkpointing)."""
+
+    def weight(self, name: str) -> torch.Tensor:
+        return nf4.weight(self, name, self.nf4_dtype)
+
+
+_NF4_EXPERTS: dict[type, type] = {}
+
+
+def _nf4_experts_class(cls: type) -> type:
+    if cls not in _NF4_EXPERTS:
+        _NF4_EXPERTS[cls] = type(f"NF4{cls.__name__}", (NF4Experts, cls), {})
+    return _NF4_EXPERTS[cls]
+
+
+def quantize_base(model: nn.Module, dtype: torch.dtype) -> int:
+    """QLoRA (``lora.base_quant = "nf4"``): every frozen linear of the blocks (adapted or not) and the routed
+    experts' stacked weights keep their values in NF4 (:mod:`titan_sft.nf4`); routers and the shared expert's
+    gate (tiny, and routing decisions are sensitive) stay in ``dtype``, as do the embedding, norms and head.
+    Runs on the meta model; the codes come at load. Returns the number of weights quantized."""
+    from titan_sft.models.moe import Router
+
+    n = 0
+    for block in model.layers.values():
+        skip = {id(m) for r in block.modules() if isinstance(r, Router) for m in r.modules()}
+        skip |= {id(m.gate) for m in block.modules() if type(m).__name__ == "SharedExpert"}
+        for m in list(block.modules()):
+            if id(m) in skip:
+                continue
+            if isinstance(m, GroupedExperts):
+                n += len(nf4.quantize_module(m, ("w1", "w2", "w3")))
+                m.__class__ = _nf4_experts_class(type(m))
+                m.nf4_dtype = dtype
+            elif isinstance(m, nn.Linear) and not m.weight.requires_grad and m.bias is None:
+                if nf4.quantize_module(m, ("weight",)):
+                    m.__class__ = NF4LoRALinear if isinstance(m, LoRALinear) else NF4Linear
+                    n += 1
+    return n
 
 
 _FLOAT8_LORA: type | None = None
@@ -247,6 +310,8 @@ def apply_lora(model: nn.Module, cfg: JobConfig, device: torch.device | None = N
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.requires_grad_(True)
+    if lo.base_quant == "nf4":
+        quantize_base(model, DTYPES[cfg.training.param_dtype])
     return names
 
 

@@ -167,9 +167,11 @@ def init_sharded(model: torch.nn.Module, reference: torch.nn.Module, device: tor
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from titan_sft import nf4
     from titan_sft.checkpoint import tied_aliases
 
     params = {unwrapped_name(n): p for n, p in model.named_parameters()}
+    quantized = nf4.quantized_weights(model)  # NF4 weights (QLoRA): every rank quantizes the whole tensor
     # A pipeline's last stage holds a copy of a tied head: it takes the embedding's numbers.
     copies = {first: alias for alias, first in tied_aliases(reference).items() if alias in params}
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -186,6 +188,8 @@ def init_sharded(model: torch.nn.Module, reference: torch.nn.Module, device: tor
         # A DTensor scatters from its mesh's first rank. A mesh without rank 0 (one tp rank's FSDP mesh, where
         # routed experts are replicated across tp; another pipeline stage's ranks) needs the numbers first: then
         # the whole part is broadcast and every rank cuts its own shard.
+        sinks = [(full, quantized[f"{name}.{key}"]) for key, full in part.named_parameters()
+                 if f"{name}.{key}" in quantized]
         outside = len(targets) != len(fulls) or any(isinstance(t, DTensor) and rank0_missing(t.device_mesh)
                                                    for _, t in targets)
         outside = dist.is_initialized() and bool(comm.all_reduce(
@@ -200,6 +204,8 @@ def init_sharded(model: torch.nn.Module, reference: torch.nn.Module, device: tor
                 target.to_local().copy_(shard.to_local())
             else:
                 target.copy_(full.detach() if outside else comm.broadcast(full.detach(), 0, what="random init"))
+        for full, (module, key) in sinks:
+            nf4.fill(module, key, full.detach())
         part.to_empty(device="meta")
 
 
