@@ -108,9 +108,51 @@ def checkpoint_bytes(model: torch.nn.Module, frozen_bytes: int, frozen_base: str
     "identity" (then only their fingerprint, a few numbers per tensor, is stored). Metadata not counted."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    base = frozen_bytes * frozen
+    base = sum(frozen_param_bytes(p, frozen_bytes) for p in model.parameters() if not p.requires_grad)
     return {"total": 12 * trained + (0 if frozen and frozen_base == "identity" else base), "base": base,
             "frozen": frozen}
+
+
+def frozen_param_bytes(p: torch.Tensor, frozen_bytes: int) -> float:
+    """Bytes of a frozen parameter: ``frozen_bytes`` per element for floating ones (stored in the compute dtype),
+    the integer codes of an NF4 weight (QLoRA) at their own width."""
+    return p.numel() * (frozen_bytes if p.is_floating_point() else p.element_size())
+
+
+def nf4_transient(model: torch.nn.Module, frozen_bytes: int) -> float:
+    """Bytes of dequantized NF4 weights (QLoRA) alive at once: a linear's weight is dequantized for its matmul
+    and again in backward (one at a time); a routed-experts layer's stacked weights stay dequantized until that
+    layer's backward (under activation checkpointing: one block's at a time)."""
+    from titan_sft import nf4
+
+    per_module: dict[int, float] = {}
+    for m, name in nf4.quantized_weights(model).values():
+        per_module[id(m)] = per_module.get(id(m), 0) + frozen_bytes * math.prod(nf4.full_shape(m, name))
+    return max(per_module.values(), default=0.0)
+
+
+def nf4_line(model: torch.nn.Module, frozen_bytes: int, dp_shard: int) -> str | None:
+    """What the NF4 base (QLoRA) costs per rank, and the dequantized weights a step holds at once."""
+    from titan_sft import nf4
+
+    quantized = nf4.quantized_weights(model)
+    if not quantized:
+        return None
+    stored = sum(frozen_param_bytes(p, frozen_bytes) for n, p in model.named_parameters() if nf4.is_nf4_key(n))
+    n = sum(math.prod(nf4.full_shape(*v)) for v in quantized.values())
+    return (f"NF4 base (lora.base_quant): {len(quantized)} weights, {n / 1e9:.2f}B parameters in "
+            f"{stored / GIB:.2f} GiB ({stored / n:.3f} bytes each; {frozen_bytes * n / GIB:.2f} GiB unquantized), "
+            f"{stored / dp_shard / GIB:.2f} GiB per rank (in the parameters above); dequantized weights alive at "
+            f"once: {nf4_transient(model, frozen_bytes) / GIB:.2f} GiB")
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Parameters of ``model``, an NF4 weight counted as the elements it stands for."""
+    from titan_sft import nf4
+
+    quantized = nf4.quantized_weights(model)
+    return (sum(p.numel() for n, p in model.named_parameters() if not nf4.is_nf4_key(n))
+            + sum(math.prod(nf4.full_shape(*v)) for v in quantized.values()))
 
 
 def size_line(size: dict[str, float], frozen_base: str) -> str:
@@ -148,10 +190,10 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen
             return tp
         return tp if is_split(name) else 1
 
-    sizes = [(p.numel() / tp_ways(n), p.requires_grad) for n, p in model.named_parameters()]
-    per_tp = sum(n for n, _ in sizes)
-    trained = sum(n for n, g in sizes if g)
-    return {"params": (4 * trained + frozen_bytes * (per_tp - trained)) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
+    trained = sum(p.numel() / tp_ways(n) for n, p in model.named_parameters() if p.requires_grad)
+    frozen = sum(frozen_param_bytes(p, frozen_bytes) / tp_ways(n) for n, p in model.named_parameters()
+                 if not p.requires_grad)
+    return {"params": (4 * trained + frozen) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
             "deferred_grads": 4 * trained}
 
 
@@ -239,7 +281,7 @@ def dry_run(cfg: JobConfig) -> str:
 
         apply_lora(model, cfg)
         n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        n_all = sum(p.numel() for p in model.parameters())
+        n_all = parameter_count(model)
         kind = "DoRA" if cfg.lora.use_dora else "LoRA"
         lora_line = [f"{kind}: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}"
                      f"{' (rsLoRA: scale alpha / sqrt(rank))' if cfg.lora.use_rslora else ''} on "
@@ -303,6 +345,7 @@ def dry_run(cfg: JobConfig) -> str:
             f"memory below: pp rank {heaviest} (the heaviest: {parts[heaviest][0]} layers); activations of up to "
             f"{in_flight} microbatches in flight on it"]
     mem = memory_per_rank(model, plan, dp_shard * cp, tp, dtype_bytes, ep)
+    quant = nf4_line(model, dtype_bytes, dp_shard * cp)
     size = checkpoint_bytes(whole, dtype_bytes, cfg.checkpoint.frozen_base)
     cadence += "\n" + size_line(size, cfg.checkpoint.frozen_base)
     deferred = cfg.parallelism.grad_reduce == "last_microbatch"
@@ -327,6 +370,7 @@ def dry_run(cfg: JobConfig) -> str:
            "between microbatches" if deferred else
            f"; gradients are reduce-scattered every microbatch (last_microbatch would hold "
            f"{mem['deferred_grads'] / GIB:.2f} GiB unsharded)"),
+        *([quant] if quant else []),
     ]
     if L:
         t = cfg.training
@@ -341,6 +385,10 @@ def dry_run(cfg: JobConfig) -> str:
             f"{f' at cp {cp}' if cp > 1 else ''}{f', tp {tp}' if tp > 1 else ''}), activation_checkpoint "
             f"{t.activation_checkpoint}: blocks {act['blocks'] / GIB:.2f} GiB, recompute {act['recompute'] / GIB:.2f} "
             f"GiB, loss chunk {act['loss'] / GIB:.2f} GiB")
+        peak = (mem["params"] + mem["grads"] + mem["optimizer"] + act["total"] + nf4_transient(model, dtype_bytes)
+                + (mem["deferred_grads"] if deferred else 0))
+        layout.append(f"per rank in all (estimate, a floor: allocator fragmentation and kernel workspaces come on "
+                      f"top): {peak / GIB:.2f} GiB")
     lines = [
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {shown}",
@@ -371,7 +419,7 @@ def peak_memory_estimate(cfg: JobConfig, seq_len: int) -> dict[str, float]:
     """Bytes one rank of a run without pipeline parallel needs at its peak, as the dry run plans it: parameters,
     gradients and AdamW state (:func:`memory_per_rank`, LoRA applied where the config has it) plus one microbatch
     of ``seq_len``-token rows' activations (:func:`activation_memory_per_rank`). Keys: ``state``, ``activations``,
-    ``total``. A floor, not a bound: the caching allocator's fragmentation and the kernels' workspaces come on
+    ``dequantized`` (NF4 weights dequantized at once, QLoRA: :func:`nf4_transient`), ``total``. A floor, not a bound: the caching allocator's fragmentation and the kernels' workspaces come on
     top."""
     spec = get_train_spec(cfg.model.name)
     attention, _ = resolve_backend(cfg.model.attention, "cuda")
@@ -393,4 +441,6 @@ def peak_memory_estimate(cfg: JobConfig, seq_len: int) -> dict[str, float]:
         state += mem["deferred_grads"]
     act = activation_memory_per_rank(args, seq_len, t.per_device_batch, cp, tp, t.activation_checkpoint,
                                      t.ac_every_n, dtype_bytes, t.loss_chunk_size)
-    return {"state": state, "activations": act["total"], "total": state + act["total"]}
+    dequant = nf4_transient(model, dtype_bytes)
+    return {"state": state, "activations": act["total"], "dequantized": dequant,
+            "total": state + act["total"] + dequant}
