@@ -144,8 +144,8 @@ def test_qlora_two_ranks_with_compile_and_checkpointing_equal_one_rank(tmp_path)
 @pytest.mark.slow
 def test_qlora_diffusion_debug_job_learns_and_exports_onto_the_original_weights(tmp_path):
     """The shipped LoRA debug job with an NF4 base learns the task (exact match on the held-out prompts); its
-    merged export is the original HF weights plus the adapters (not the dequantized base), its adapter loads in
-    PEFT on the original base, and a resume from its adapter-only checkpoint rebuilds the same NF4 base."""
+    merged export is the original HF weights plus the adapters (not the dequantized base), and `convert to-hf` of
+    its adapter-only checkpoint (the NF4 base rebuilt from the HF directory and checked) writes the same export."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run(["./run_train.sh", "train_configs/debug_diffusion.toml", "--job.dump_folder",
                         str(tmp_path / "job"), "--lora.base_quant", "nf4", "--validation.test_path", ""],
@@ -164,6 +164,12 @@ def test_qlora_diffusion_debug_job_learns_and_exports_onto_the_original_weights(
     expected = base[f"{key}.weight"].float() + conf["lora_alpha"] / conf["r"] * b @ a
     assert torch.allclose(merged[f"{key}.weight"].float(), expected, atol=1e-6)
     assert torch.equal(merged["model.embed_tokens.weight"].float(), base["model.embed_tokens.weight"].float())
+    # the adapter-only checkpoint converts to the same export: the NF4 base rebuilt and checked, then restored
+    subprocess.run([sys.executable, "-m", "titan_sft.convert", "to-hf", "--checkpoint",
+                    str(tmp_path / "job" / "checkpoints" / "step-149"), "--out", str(tmp_path / "conv"),
+                    "--dtype", "float32"], cwd=ROOT, env=env, check=True, capture_output=True)
+    converted = load_file(str(tmp_path / "conv" / "model.safetensors"))
+    assert converted.keys() == merged.keys() and all(torch.equal(converted[k], merged[k]) for k in merged)
 
 
 @pytest.mark.parametrize("name,nf4_gib,total_gib", [("qwen3_32b_qlora", 14.99, 30.38),
@@ -189,3 +195,30 @@ def test_qlora_configs_plan_one_80gb_gpu(name, nf4_gib, total_gib, monkeypatch):
                                                                    "--model.hf_assets_path", "",
                                                                    "--lora.base_quant", "none"])
     assert peak_memory_estimate(plain, cfg.data.seq_len)["total"] > peak["total"] + 40 * GIB
+
+
+@pytest.mark.slow
+def test_qlora_from_a_weights_only_start_equals_the_hf_start(tmp_path):
+    """`convert from-hf` then `--checkpoint.resume <it>` on 2 ranks: the NF4 codes are quantized from the DCP's
+    whole tensors, so the losses equal a 1-rank start from the HF directory (1e-5)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([sys.executable, "-m", "titan_sft.convert", "from-hf", "--hf", str(DEBUG_BASE), "--out",
+                    str(tmp_path / "start")], cwd=ROOT, env=env, check=True, capture_output=True)
+    common = ["train_configs/debug_diffusion.toml", "--training.steps", "3", "--training.per_device_batch", "8",
+              "--validation.interval", "0",
+              "--validation.path", "", "--validation.keep_best", "false", "--validation.test_path", "",
+              "--validation.generation_every", "0",
+              "--checkpoint.hf_export_interval", "-1", "--metrics.enable_tensorboard", "false",
+              "--metrics.log_freq", "1", "--lora.base_quant", "nf4"]
+    losses = []
+    for nproc, extra in ((1, []), (2, ["--checkpoint.resume", str(tmp_path / "start")])):
+        dump = tmp_path / f"run{nproc}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "titan_sft.train", "--config", *common, "--job.dump_folder", str(dump), *extra]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses.append([json.loads(x)["loss"] for x in (dump / "metrics.jsonl").read_text().splitlines()
+                       if json.loads(x)["split"] == "train"])
+    assert len(losses[0]) == 3
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-5 * abs(a), losses

@@ -537,9 +537,13 @@ class CheckpointManager:
             state["model"] = {k: v for k, v in state["model"].items() if k in (self.stored or ())}
         elif meta.get("kind") == "weights_only" and self.trainable is not None:
             # a starting point written before LoRA was applied: the adapters keep their init
+            from titan_sft import nf4
             from titan_sft.lora import is_adapter_key
 
-            state["model"] = {k: v for k, v in state["model"].items() if not is_adapter_key(k)}
+            # NF4 weights (QLoRA) are quantized from the unquantized ones it holds
+            state["model"] = {k: v for k, v in state["model"].items() if not is_adapter_key(k)
+                              and not nf4.is_nf4_key(k)}
+            nf4.fill_from_dcp(self.model, str(path))
             partial = True
         with transient_group() as pg:
             dcp.load(state, checkpoint_id=str(path), process_group=pg)

@@ -140,7 +140,7 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
     # again keeps this correct for wrappers whose state dict holds copies.
     set_model_state_dict(model, with_aliases(model, native), options=StateDictOptions(strict=False))
     quantized = nf4.quantized_weights(model)
-    for keys in _by_layer(quantized):
+    for keys in nf4.by_block(quantized):
         full = read_hf_weights({k: nf4.full_shape(*quantized[k]) for k in keys}, args, path, spec)
         for k, w in full.items():
             nf4.fill(*quantized[k], w)
@@ -150,14 +150,6 @@ def load_hf_weights(model, args: TransformerArgs, path: str | Path, spec: TrainS
         for name, values in (biases or {}).items():
             if name in held:
                 held[name].copy_(values)
-
-
-def _by_layer(keys) -> list[list[str]]:
-    """Native keys grouped by their block (``layers.<i>.``), in order."""
-    groups: dict[str, list[str]] = {}
-    for k in keys:
-        groups.setdefault(".".join(k.split(".")[:2]), []).append(k)
-    return list(groups.values())
 
 
 def read_hf_weights(shapes: dict[str, tuple[int, ...]], args: TransformerArgs, path: str | Path,
@@ -353,7 +345,7 @@ def _unquantized(full: dict, args: TransformerArgs, spec: TrainSpec, base_model:
     dtype = next(v.dtype for k, v in full.items() if v.is_floating_point() and not nf4.is_nf4_key(k))
     if base_model:
         originals = {}
-        for group in _by_layer(shapes):  # one block's weights in fp32 at a time
+        for group in nf4.by_block(shapes):  # one block's weights in fp32 at a time
             originals.update({k: v.to(dtype) for k, v in read_hf_weights({k: shapes[k] for k in group}, args,
                                                                           base_model, spec).items()})
         return nf4.restore(full, originals)

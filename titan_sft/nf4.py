@@ -128,24 +128,47 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_module(module: nn.Module, names: tuple[str, ...]) -> list[str]:
-    """Replaces ``module``'s frozen parameters ``names`` by their NF4 pieces (empty, on the parameters' device:
-    the meta device before sharding; the values come at load, :func:`fill`). Returns the names quantized."""
+    """Replaces ``module``'s frozen parameters ``names`` by their NF4 pieces: on the meta device (a model before
+    sharding) empty, the values come at load (:func:`fill`); a materialized (unsharded) weight is quantized on the
+    spot. Returns the names quantized."""
     done = []
     shapes = dict(getattr(module, "nf4_shapes", {}))
     for name in names:
         p = getattr(module, name)
         if not quantizable(p.shape):
             continue
+        q = None if p.is_meta else quantize(p)
         delattr(module, name)
         for suffix, shape in piece_shapes(p.numel()).items():
             dtype = {"": torch.uint8, "_scalers": torch.int8}.get(suffix, p.dtype)
-            module.register_parameter(f"{name}_nf4{suffix}",
-                                      nn.Parameter(torch.empty(shape, dtype=dtype, device=p.device),
-                                                   requires_grad=False))
+            value = torch.empty(shape, dtype=dtype, device=p.device) if q is None else q[suffix]
+            module.register_parameter(f"{name}_nf4{suffix}", nn.Parameter(value, requires_grad=False))
         shapes[name] = tuple(p.shape)
         done.append(name)
     module.nf4_shapes = shapes
     return done
+
+
+def by_block(keys) -> list[list[str]]:
+    """Native keys grouped by their block (``layers.<i>.``), in order: whole weights are read a block at a time."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        groups.setdefault(".".join(k.split(".")[:2]), []).append(k)
+    return list(groups.values())
+
+
+def fill_from_dcp(model: nn.Module, path: str) -> None:
+    """Quantizes the NF4 weights of ``model`` from a DCP checkpoint holding them unquantized (a weights-only
+    starting point, ``convert from-hf``): each rank reads whole tensors, one block at a time, and keeps its
+    shard of the codes."""
+    import torch.distributed.checkpoint as dcp
+
+    quantized = quantized_weights(model)
+    for keys in by_block(quantized):
+        state = {"model": {k: torch.empty(full_shape(*quantized[k]), dtype=torch.float32) for k in keys}}
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        for k, w in state["model"].items():
+            fill(*quantized[k], w)
 
 
 def full_shape(module: nn.Module, name: str) -> tuple[int, ...]:
