@@ -36,7 +36,7 @@ def one_rank_group(tmp_path):
 def test_nf4_round_trip_is_torchaos_and_within_the_bound(dtype):
     """Per element, |w - w'| <= 0.1519 s + |s - s'| (0.1519: half NF4's widest gap between levels, -1 to -0.6962;
     s: the block's absmax, s': its double-quantized value), and |s - s'| is at most one int8 step of its group."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from torchao.quantization import to_nf4
 
     weights = [torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(dtype),
                torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(1)).to(dtype) * 0.02]
@@ -222,3 +222,17 @@ def test_qlora_from_a_weights_only_start_equals_the_hf_start(tmp_path):
     assert len(losses[0]) == 3
     for a, b in zip(*losses):
         assert abs(a - b) <= 1e-5 * abs(a), losses
+
+
+def test_base_quant_refused_with_one_line_where_unsupported():
+    from titan_sft.config import ConfigError
+
+    base = ["--model.converters", "lora", "--lora.base_quant", "nf4"]
+    load_config("train_configs/debug_model.toml", base)  # FSDP: fine
+    for extra, why in ((["--parallelism.tp", "2"], "parallelism.tp > 1"),
+                       (["--training.float8", "true"], "training.float8"),
+                       (["--lora.use_dora", "true"], "lora.use_dora")):
+        with pytest.raises(ConfigError, match=rf"lora.base_quant.*with {why}"):
+            load_config("train_configs/debug_model.toml", base + extra)
+    with pytest.raises(ConfigError, match=r"lora.base_quant.*unless model.converters holds"):
+        load_config("train_configs/debug_model.toml", ["--lora.base_quant", "nf4"])

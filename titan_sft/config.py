@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import sys
@@ -625,6 +626,8 @@ def validate(cfg: JobConfig) -> None:
              lo.use_dora)
     need(lo.base_quant == "none" or "lora" in cfg.model.converters, "lora.base_quant",
          "'none' unless model.converters holds \"lora\" (the base is only frozen under LoRA)", lo.base_quant)
+    need(lo.base_quant == "none" or importlib.util.find_spec("torchao") is not None, "lora.base_quant",
+         "'none' unless torchao is installed (pip install torchao: its NF4 quantization)", lo.base_quant)
     for why, clash in (("parallelism.tp > 1", cfg.parallelism.tp > 1), ("parallelism.ep > 1", cfg.parallelism.ep > 1),
                        ("training.float8", t.float8), ("lora.use_dora", lo.use_dora)):
         # NF4 weights are flat codes: no tensor-parallel or expert placement of rows, no float8 of them, and

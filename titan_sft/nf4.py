@@ -70,7 +70,7 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
     from titan_sft.converters import _quiet_torchao
 
     with _quiet_torchao():
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        from torchao.quantization import to_nf4
     flat = w.detach().contiguous().view(-1, w.shape[-1])
     t = to_nf4(flat, BLOCK, scaler_block(w.numel()))
     return {"": t.quantized_data, "_scalers": t.quantized_scalers, "_factors": t.quantization_factor,
