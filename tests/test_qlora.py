@@ -122,13 +122,17 @@ def test_codes_come_from_the_hf_weights_and_only_adapters_and_norms_train(one_ra
 @pytest.mark.slow
 def test_qlora_two_ranks_with_compile_and_checkpointing_equal_one_rank(tmp_path):
     """The seeded-init base quantized whole on every rank: 2 FSDP ranks (compiled blocks, full activation
-    checkpointing) give 1 rank's losses and grad norms within 1e-5; checkpoints hold adapters and norms only."""
+    checkpointing) and 2 pipeline stages give 1 rank's losses and grad norms within 1e-5; checkpoints hold
+    adapters and norms only."""
     one = run(1, tmp_path / "one", *QLORA, "--training.steps", "3")
     two = run(2, tmp_path / "two", *QLORA, "--training.steps", "3", "--training.compile", "true",
               "--training.activation_checkpoint", "full")
-    for a, b in zip(one, two):
-        for key in ("loss", "grad_norm"):
-            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
+    pp = run(2, tmp_path / "pp", *QLORA, "--training.steps", "3", "--parallelism.pp", "2")
+    assert len(one) == len(two) == len(pp) == 3
+    for other in (two, pp):
+        for a, b in zip(one, other):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
     audit = json.loads((tmp_path / "one" / "parameter_audit.json").read_text())
     assert not any(n.endswith(".weight") and ".layers." in f".{n}" and "norm" not in n
                    for n in audit.get("trainable_names", []))
@@ -139,6 +143,20 @@ def test_qlora_two_ranks_with_compile_and_checkpointing_equal_one_rank(tmp_path)
     assert model_keys and all(k.endswith(("lora_a", "lora_b")) or "norm" in k for k in model_keys)
     meta = json.loads((tmp_path / "one" / "checkpoints" / "step-2" / "meta.json").read_text())
     assert "layers.0.attention.wq.weight_nf4" in meta["base_identity"]["fingerprint"]
+
+
+@pytest.mark.slow
+def test_qlora_on_routed_experts_two_ranks_equal_one(tmp_path):
+    """The MoE debug job with expert adapters on an NF4 base (the experts' stacked weights quantized too): 2 FSDP
+    ranks give 1 rank's losses (1e-5), and the base's fingerprint covers the experts' codes."""
+    moe = ["--config", "train_configs/debug_moe.toml", *QLORA, "--lora.rank", "8", "--lora.experts", "true",
+           "--training.steps", "3"]
+    one, two = run(1, tmp_path / "one", *moe), run(2, tmp_path / "two", *moe)
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    meta = json.loads((tmp_path / "one" / "checkpoints" / "step-2" / "meta.json").read_text())
+    assert "layers.1.feed_forward.experts.w1_nf4" in meta["base_identity"]["fingerprint"]
 
 
 @pytest.mark.slow
@@ -159,6 +177,7 @@ def test_qlora_diffusion_debug_job_learns_and_exports_onto_the_original_weights(
     merged = load_file(str(tmp_path / "job" / "hf" / "step-149" / "model.safetensors"))
     adapter = load_file(str(tmp_path / "job" / "adapters" / "step-149" / "adapter_model.safetensors"))
     conf = json.loads((tmp_path / "job" / "adapters" / "step-149" / "adapter_config.json").read_text())
+    assert conf["titan_sft_base_quant"] == "nf4"
     key = "model.layers.1.self_attn.q_proj"
     a, b = (adapter[f"base_model.model.{key}.lora_{x}.weight"].float() for x in "AB")
     expected = base[f"{key}.weight"].float() + conf["lora_alpha"] / conf["r"] * b @ a

@@ -427,6 +427,8 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
         config["titan_sft_dense_mlp_adapters"] = sorted(linear & set(EXPERT_TARGETS))
         linear -= set(EXPERT_TARGETS)
     config["target_modules"] = sorted(linear & set(lo.targets)) or ([] if experts else sorted(lo.targets))
+    if lo.base_quant != "none":  # the base it was trained against (it is served on the original weights)
+        config["titan_sft_base_quant"] = lo.base_quant
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
