@@ -99,3 +99,22 @@ def test_pipeline_configs_plan_stages(name, world, stages, monkeypatch):
     assert f"mesh: pp 4 x dp_replicate 1 x dp_shard {int(world) // 4}" in text and stages in text
     assert "bubble 15.8% of the step in the schedule's theory" in text and "pp rank 3: stage" in text
     print(text)
+
+
+RECIPE_WORLDS = {"llama3_70b": 32, "qwen3_30b_a3b": 16, "qwen3_30b_a3b_lora": 16, "qwen3_32b_32k": 16,
+                 "qwen3_8b_32k": 16, "qwen3_8b_128k": 16, "qwen3_5_35b_a3b": 16}
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "train_configs").glob("*.toml")
+                                        if "init_from_hf = true" in p.read_text() and "flavor" in p.read_text()))
+def test_recipe_configs_dry_run_offline_from_their_flavor(path, monkeypatch):
+    """Issue 38, item 11: a recipe config whose HF directory is not on the machine plans from its flavor's own
+    arguments (no download, no overrides), and says so."""
+    cfg = load_config(path)
+    monkeypatch.setenv("WORLD_SIZE", str(RECIPE_WORLDS.get(path.stem, 8 if cfg.parallelism.ep == 1 else 16)))
+    if (ROOT / cfg.model.hf_assets_path / "config.json").is_file():
+        pytest.skip("the HF directory is here")
+    text = dry_run(cfg)
+    assert f"{cfg.model.hf_assets_path}/config.json is not on this machine: planned from flavor {cfg.model.flavor}'s" \
+           in text
+    assert f"model: {cfg.model.name} {cfg.model.flavor}," in text

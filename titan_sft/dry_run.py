@@ -225,6 +225,20 @@ def _objective_line(cfg) -> str:
             f"{ob.mask_token_id if ob.mask_token_id >= 0 else 'default (first row past the tokenizer)'}")
 
 
+def offline_flavor(cfg: JobConfig, spec) -> bool:
+    """Whether the plan uses ``model.flavor``'s arguments because the HF directory the run starts from is not on
+    this machine yet (a dry run needs no download: the released sizes are flavors)."""
+    from titan_sft.config import ConfigError
+    from titan_sft.hf_io import resolve_hf_dir
+
+    if not cfg.model.init_from_hf or cfg.model.flavor not in spec.flavors:
+        return False
+    try:
+        return not (resolve_hf_dir(cfg.model.hf_assets_path) / "config.json").is_file()
+    except (ConfigError, ValueError, OSError):
+        return True
+
+
 def dry_run(cfg: JobConfig) -> str:
     """The plan as text (one fact per line). Without the packed dataset (not prepared yet) the plan still shows
     the model, layout and memory, and the schedule when ``training.steps`` is explicit."""
@@ -243,6 +257,9 @@ def dry_run(cfg: JobConfig) -> str:
         ds = PackedDataset(cfg.data.path) if Path(cfg.data.path).exists() else None
     # The plan is for the GPU machine the run is meant for: 'auto' resolves as it would there.
     attention, _ = resolve_backend(cfg.model.attention, "cuda")
+    offline, hf_path = offline_flavor(cfg, spec), cfg.model.hf_assets_path
+    if offline:  # no download needed to plan: the flavor's own arguments stand in for config.json
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from_hf=False))
     args = model_args(dataclasses.replace(cfg.model, attention=attention), spec)
     shown = f"auto -> {attention} on GPU" if cfg.model.attention == "auto" else attention
     B = cfg.training.global_batch_size
@@ -392,6 +409,8 @@ def dry_run(cfg: JobConfig) -> str:
     lines = [
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {shown}",
+        *([f"({hf_path}/config.json is not on this machine: planned from flavor {cfg.model.flavor}'s arguments; "
+           "the run reads config.json)"] if offline else []),
         *([f"experts: {args.n_experts} per MoE layer ({len(args.moe_layers())} of {args.n_layers} layers), "
            f"{args.n_experts_per_tok} per token: {args.num_params(active=True) / 1e6:,.1f}M active parameters "
            "(MFU counts these)"] if args.n_experts else []),
