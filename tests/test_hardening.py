@@ -248,11 +248,14 @@ def test_recipe_dry_runs_from_a_hub_cache_without_weights_or_data(tmp_path):
     assert "model: qwen3 (from Qwen/Qwen3-8B), 8,190.7M parameters" in r.stdout
     assert "is not prepared yet" in r.stdout and "steps: 2000 (explicit)" in r.stdout
     assert "warmup 100 / stable 100 / decay 1800" in r.stdout
+    # Nothing in the cache: the plan comes from the flavor (issue 38, item 11) and says how to get the directory.
     empty = subprocess.run(cmd, cwd=ROOT, env={**env, "HF_HUB_CACHE": str(tmp_path / "empty")},
                            capture_output=True, text=True)
-    assert empty.returncode == 2
-    assert "python -m titan_sft.download Qwen/Qwen3-8B --to DIR" in empty.stderr
-    assert "huggingface-cli download Qwen/Qwen3-8B" in empty.stderr
+    assert empty.returncode == 0, empty.stderr[-2000:]
+    assert "model: qwen3 8B, 8,190.7M parameters" in empty.stdout
+    assert "planned from flavor 8B's arguments" in empty.stdout
+    assert "python -m titan_sft.download Qwen/Qwen3-8B --to DIR" in empty.stdout
+    assert "huggingface-cli download Qwen/Qwen3-8B" in empty.stdout
 
 
 def test_download_copies_a_cached_model_atomically(tmp_path):

@@ -52,7 +52,8 @@ class Job:
 @dataclass
 class Model:
     name: str = doc("qwen3", "registered model family (qwen3, llama3, or one registered by custom_imports)")
-    flavor: str = doc("debug", "size of the family (debug, 0.6B ... 32B, 8B, 70B); ignored with init_from_hf")
+    flavor: str = doc("debug", "size of the family (debug, 0.6B ... 32B, 8B, 70B); with init_from_hf only a dry "
+                               "run without the HF directory on disk plans from it")
     hf_assets_path: str = doc("", "HF directory for config, tokenizer and (with init_from_hf) weights")
     init_from_hf: bool = doc(False, "start from the weights and config.json in hf_assets_path")
     tokenizer_path: str = doc("", "tokenizer directory; empty means hf_assets_path (then the dataset's)")

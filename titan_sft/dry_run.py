@@ -231,7 +231,8 @@ def offline_flavor(cfg: JobConfig, spec) -> bool:
     from titan_sft.config import ConfigError
     from titan_sft.hf_io import resolve_hf_dir
 
-    if not cfg.model.init_from_hf or cfg.model.flavor not in spec.flavors:
+    # the default flavor (debug) is not a plan for a released model's directory: then the error stands
+    if not cfg.model.init_from_hf or cfg.model.flavor not in spec.flavors or cfg.model.flavor.startswith("debug"):
         return False
     try:
         return not (resolve_hf_dir(cfg.model.hf_assets_path) / "config.json").is_file()
@@ -410,7 +411,8 @@ def dry_run(cfg: JobConfig) -> str:
         f"model: {cfg.model.name} {('(from ' + cfg.model.hf_assets_path + ')') if cfg.model.init_from_hf else cfg.model.flavor}"
         f", {args.num_params() / 1e6:,.1f}M parameters, attention {shown}",
         *([f"({hf_path}/config.json is not on this machine: planned from flavor {cfg.model.flavor}'s arguments; "
-           "the run reads config.json)"] if offline else []),
+           f"the run needs the directory: python -m titan_sft.download {hf_path} --to DIR, or huggingface-cli "
+           f"download {hf_path})"] if offline else []),
         *([f"experts: {args.n_experts} per MoE layer ({len(args.moe_layers())} of {args.n_layers} layers), "
            f"{args.n_experts_per_tok} per token: {args.num_params(active=True) / 1e6:,.1f}M active parameters "
            "(MFU counts these)"] if args.n_experts else []),
