@@ -77,11 +77,23 @@ def quantize(w: torch.Tensor) -> dict[str, torch.Tensor]:
             "_mean": t.scaler_mean.reshape(1)}
 
 
+_LEVELS: dict[tuple, torch.Tensor] = {}
+
+
+def _levels(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The 16 levels on ``device`` in ``dtype``, made once: a tensor from a Python list on a GPU is a blocking
+    host-to-device copy, which every matmul would otherwise pay."""
+    key = (device, dtype)
+    if key not in _LEVELS:
+        _LEVELS[key] = torch.tensor(LEVELS, dtype=dtype, device=device)
+    return _LEVELS[key]
+
+
 def dequantize(codes: torch.Tensor, scalers: torch.Tensor, factors: torch.Tensor, mean: torch.Tensor,
                shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The weight back from its pieces: torchao's ``get_original_weight`` (same operations, same order, in the
     pieces' dtype), then cast to ``dtype``."""
-    levels = torch.tensor(LEVELS, dtype=factors.dtype, device=codes.device)
+    levels = _levels(codes.device, factors.dtype)
     block_scale = ((scalers.view(factors.numel(), -1) / factors.unsqueeze(-1)).flatten().to(factors.dtype)
                    + mean.reshape(()))
     repeated = block_scale.unsqueeze(-1).expand(block_scale.numel(), BLOCK // 2).flatten()
