@@ -51,6 +51,13 @@ def one(variant: str, n: int, d: int, v: int, chunk: int, runs: int, device: str
     return {"variant": variant, "median_s": median, "peak_extra_gib": peak}
 
 
+def variant_row(script: str, name: str, argv: list[str]) -> dict:
+    """Runs ``script --variant name *argv`` in a fresh process; the JSON object its last line prints."""
+    cmd = [sys.executable, script, "--variant", name, *argv]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def timed_peak(step, runs: int, device: str) -> tuple[float, float]:
     """(median seconds of ``runs`` calls of ``step``, peak extra memory in GiB over them): the peak allocated on a
     GPU, else the growth of the peak RSS (VmHWM, reset to the current RSS first)."""

@@ -13,10 +13,8 @@ installed, titan_sft runs flash-linear-attention's kernel instead (benchmarks/gp
 
 import argparse
 import json
-import subprocess
-import sys
 
-from bench_chunked_ce import timed_peak  # benchmarks/ is the script's folder: on sys.path
+from bench_chunked_ce import timed_peak, variant_row  # benchmarks/ is the script's folder: on sys.path
 
 
 def run_variant(name: str, a) -> dict:
@@ -63,10 +61,8 @@ def main() -> None:
         return
     rows = {}
     for name in ("transformers", "titan_sft"):
-        cmd = [sys.executable, __file__, "--variant", name, "--seq-len", str(a.seq_len), "--heads", str(a.heads),
-               "--head-dim", str(a.head_dim), "--runs", str(a.runs)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows[name] = json.loads(out.strip().splitlines()[-1])
+        rows[name] = variant_row(__file__, name, ["--seq-len", str(a.seq_len), "--heads", str(a.heads),
+                                                  "--head-dim", str(a.head_dim), "--runs", str(a.runs)])
         r = rows[name]
         print(f"{name:>12}: {r['seconds']:.3f} s/step (median of {a.runs}), peak +{r['peak_gib']:.2f} GiB ({r['device']})",
               flush=True)

@@ -13,10 +13,8 @@ dequantizes every frozen weight, forward and backward: on a CPU that work is vis
 
 import argparse
 import json
-import subprocess
-import sys
 
-from bench_chunked_ce import timed_peak  # benchmarks/ is the script's folder: on sys.path
+from bench_chunked_ce import timed_peak, variant_row  # benchmarks/ is the script's folder: on sys.path
 
 
 def run_variant(quant: str, a) -> dict:
@@ -83,10 +81,8 @@ def main() -> None:
         return
     rows = {}
     for name in ("none", "nf4"):
-        cmd = [sys.executable, __file__, "--variant", name, "--dim", str(a.dim), "--layers", str(a.layers),
-               "--vocab", str(a.vocab), "--seq-len", str(a.seq_len), "--runs", str(a.runs)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows[name] = r = json.loads(out.strip().splitlines()[-1])
+        rows[name] = r = variant_row(__file__, name, ["--dim", str(a.dim), "--layers", str(a.layers), "--vocab",
+                                                      str(a.vocab), "--seq-len", str(a.seq_len), "--runs", str(a.runs)])
         label = "bf16 LoRA" if name == "none" else "NF4 QLoRA"
         print(f"{label:>10}: {r['seconds']:.3f} s/step (median of {a.runs}), parameters {r['params_gib']:.3f} GiB, "
               f"peak {r['peak_gib']:.2f} GiB ({r['device']})", flush=True)

@@ -149,12 +149,12 @@ def quantize_base(model: nn.Module, dtype: torch.dtype) -> int:
     experts' stacked weights keep their values in NF4 (:mod:`titan_sft.nf4`); routers and the shared expert's
     gate (tiny, and routing decisions are sensitive) stay in ``dtype``, as do the embedding, norms and head.
     Runs on the meta model; the codes come at load. Returns the number of weights quantized."""
-    from titan_sft.models.moe import Router
+    from titan_sft.models.moe import Router, SharedExpert
 
     n = 0
     for block in model.layers.values():
         skip = {id(m) for r in block.modules() if isinstance(r, Router) for m in r.modules()}
-        skip |= {id(m.gate) for m in block.modules() if type(m).__name__ == "SharedExpert"}
+        skip |= {id(m.gate) for m in block.modules() if isinstance(m, SharedExpert)}
         for m in list(block.modules()):
             if id(m) in skip:
                 continue

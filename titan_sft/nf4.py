@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_sft.models.moe import local
+
 BLOCK = 64  # elements per absmax block (QLoRA's and torchao's default)
 MAX_SCALER_BLOCK = 256  # blocks per scaler-quantization group (torchao's default)
 PIECES = ("", "_scalers", "_factors", "_mean")  # w_nf4, w_nf4_scalers, ... (see the module docstring)
@@ -102,15 +104,9 @@ def dequantize(codes: torch.Tensor, scalers: torch.Tensor, factors: torch.Tensor
     return torch.stack([first, second], dim=-1).reshape(shape).to(dtype)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from titan_sft.models.moe import local
-
-    return local(t)
-
-
 def pieces(module: nn.Module, name: str) -> list[torch.Tensor]:
     """The four (gathered) pieces of ``module``'s quantized weight ``name``."""
-    return [_local(getattr(module, f"{name}_nf4{suffix}")) for suffix in PIECES]
+    return [local(getattr(module, f"{name}_nf4{suffix}")) for suffix in PIECES]
 
 
 def weight(module: nn.Module, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -193,7 +189,7 @@ def fill(module: nn.Module, name: str, full: torch.Tensor) -> None:
     from titan_sft.lora import _copy_full
 
     factors = getattr(module, f"{name}_nf4_factors")  # its dtype is the weight's storage dtype
-    q = quantize(full.to(device=_local(factors).device, dtype=factors.dtype))
+    q = quantize(full.to(device=local(factors).device, dtype=factors.dtype))
     with torch.no_grad():
         for suffix in PIECES:
             _copy_full(getattr(module, f"{name}_nf4{suffix}"), q[suffix])
