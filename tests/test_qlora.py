@@ -99,7 +99,7 @@ def test_codes_come_from_the_hf_weights_and_only_adapters_and_norms_train(one_ra
     for key, (module, name) in quantized.items():
         expected = nf4.quantize(originals[key])
         for suffix in nf4.PIECES:
-            assert torch.equal(getattr(module, f"{name}_nf4{suffix}").full_tensor(), expected[suffix]), key
+            assert torch.equal(_full(getattr(module, f"{name}_nf4{suffix}")), expected[suffix]), key
     before = {n: _full(p).clone() for n, p in model.named_parameters()}
     opt = build_optimizer(model, dataclasses.replace(cfg.optimizer, lr=1e-2))  # on the sharded parameters
     # B = 0: the model is the dequantized base
@@ -255,3 +255,15 @@ def test_base_quant_refused_with_one_line_where_unsupported():
             load_config("train_configs/debug_model.toml", base + extra)
     with pytest.raises(ConfigError, match=r"lora.base_quant.*unless model.converters holds"):
         load_config("train_configs/debug_model.toml", ["--lora.base_quant", "nf4"])
+
+
+@pytest.mark.torch_range
+@pytest.mark.slow
+def test_qlora_on_the_oldest_supported_torch(tmp_path):
+    """torch 2.11's FSDP2 cannot shard integer parameters: the NF4 codes stay whole on every rank there
+    (``compat.FSDP_INTEGER_PARAMS``) and 2 FSDP ranks still give 1 rank's losses (1e-5)."""
+    one = run(1, tmp_path / "one", *QLORA, "--training.steps", "3")
+    two = run(2, tmp_path / "two", *QLORA, "--training.steps", "3")
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])

@@ -23,6 +23,11 @@ except ImportError:  # torch < 2.13
 PER_PARAM_MESH = _ShardPlacementResult is not None
 PER_PARAM_MESH_TORCH = "2.13"
 
+# FSDP2 shards frozen integer parameters (QLoRA's NF4 codes) from torch 2.13; torch 2.11's FSDP2 wraps each shard
+# in an nn.Parameter that requires grad, which an integer tensor cannot. There they are left out of FSDP
+# (``ignored_params``): every rank holds them whole, with the same values, so the numbers do not change.
+FSDP_INTEGER_PARAMS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
 
 def shard_on_mesh(mesh):
     """A ``shard_placement_fn`` result that shards a parameter on dim 0 over ``mesh`` instead of its FSDP module's

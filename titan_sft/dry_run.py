@@ -134,6 +134,7 @@ def nf4_transient(model: torch.nn.Module, frozen_bytes: int) -> float:
 def nf4_line(model: torch.nn.Module, frozen_bytes: int, dp_shard: int) -> str | None:
     """What the NF4 base (QLoRA) costs per rank, and the dequantized weights a step holds at once."""
     from titan_sft import nf4
+    from titan_sft.compat import FSDP_INTEGER_PARAMS
 
     quantized = nf4.quantized_weights(model)
     if not quantized:
@@ -142,7 +143,9 @@ def nf4_line(model: torch.nn.Module, frozen_bytes: int, dp_shard: int) -> str | 
     n = sum(math.prod(nf4.full_shape(*v)) for v in quantized.values())
     return (f"NF4 base (lora.base_quant): {len(quantized)} weights, {n / 1e9:.2f}B parameters in "
             f"{stored / GIB:.2f} GiB ({stored / n:.3f} bytes each; {frozen_bytes * n / GIB:.2f} GiB unquantized), "
-            f"{stored / dp_shard / GIB:.2f} GiB per rank (in the parameters above); dequantized weights alive at "
+            f"{(stored / dp_shard if FSDP_INTEGER_PARAMS else stored) / GIB:.2f} GiB per rank (in the parameters "
+            f"above{'' if FSDP_INTEGER_PARAMS else '; whole on every rank: FSDP2 shards integer codes from torch 2.13'}); "
+            f"dequantized weights alive at "
             f"once: {nf4_transient(model, frozen_bytes) / GIB:.2f} GiB")
 
 
@@ -190,10 +193,14 @@ def memory_per_rank(model: torch.nn.Module, plan, dp_shard: int, tp: int, frozen
             return tp
         return tp if is_split(name) else 1
 
+    from titan_sft.compat import FSDP_INTEGER_PARAMS
+
     trained = sum(p.numel() / tp_ways(n) for n, p in model.named_parameters() if p.requires_grad)
     frozen = sum(frozen_param_bytes(p, frozen_bytes) / tp_ways(n) for n, p in model.named_parameters()
-                 if not p.requires_grad)
-    return {"params": (4 * trained + frozen) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
+                 if not p.requires_grad and p.is_floating_point())
+    # integer ones (NF4 codes): sharded like the rest where this torch's FSDP2 shards them, else whole per rank
+    codes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_floating_point())
+    return {"params": (4 * trained + frozen + (codes if FSDP_INTEGER_PARAMS else codes * dp_shard)) / dp_shard, "grads": 4 * trained / dp_shard, "optimizer": 8 * trained / dp_shard,
             "deferred_grads": 4 * trained}
 
 

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from titan_sft.compat import (PER_PARAM_MESH, allow_unbacked_scalars, checkpoint_wrapper, flex_attention_op,
-                              shard_on_mesh)
+from titan_sft.compat import (FSDP_INTEGER_PARAMS, PER_PARAM_MESH, allow_unbacked_scalars, checkpoint_wrapper,
+                              flex_attention_op, shard_on_mesh)
 from titan_sft.config import JobConfig
 from titan_sft.constants import DTYPES
 from titan_sft.parallel.parallel_dims import moe_fsdp_meshes
@@ -143,6 +143,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     from titan_sft.models.moe import GroupedExperts, Router, SharedExpert
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # integer parameters (NF4 codes) on a torch whose FSDP2 cannot shard them: whole on every rank
+    ignored = None if FSDP_INTEGER_PARAMS else {p for p in model.parameters() if not p.is_floating_point()} or None
     experts_mesh = experts_mesh if experts_mesh is not None else moe_mesh
     # One placement (one FSDPMeshInfo) per mesh for every block: FSDP2 requires the same object for a group.
     on_mesh = {id(m): shard_on_mesh(m) for m in (moe_mesh, experts_mesh) if m is not None} if PER_PARAM_MESH else {}
@@ -161,9 +163,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
             # torch < 2.13: each router and expert group is an FSDP module of its own on its mesh (torchtitan's
             # layout before per-parameter meshes). Same shards, same sums; the block's FSDP module holds the rest.
             for m, m_mesh in own:
-                fully_shard(m, mesh=m_mesh, mp_policy=mp, reshard_after_forward=reshard)
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, shard_placement_fn=placement)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+                fully_shard(m, mesh=m_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, shard_placement_fn=placement,
+                    ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     # Sum, not average, across ranks: the loss is already normalised by global token counts (recipe item 10).
     # Both settings are per FSDP module.
     for module in model.modules():
