@@ -3,16 +3,15 @@ checkpoints resumed across layouts; export from a TP run; loss parallel memory; 
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from torchrun import launch
 from titan_sft.config import ConfigError, check_layout, check_tensor_parallel, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,20 +37,7 @@ def run(nproc, dump, *overrides, config="train_configs/debug_model.toml", base=B
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "titan_sft.train", "--config", config, *base, "--job.dump_folder", str(dump), *overrides]
-    before = Path(f"{dump}.before")
-    if Path(dump).exists():  # what a retry starts from
-        shutil.copytree(dump, before, dirs_exist_ok=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "(SIGSEGV)" in proc.stderr:
-        # A rare crash inside gloo's native code on CPU (seen once in CI, in no reproduction of 30 runs): report
-        # its stack (the trainer enables faulthandler) and run the same command once more from the same state.
-        warnings.warn(RuntimeWarning("layout run crashed with SIGSEGV; rerunning once:\n" + proc.stderr[-4000:]))
-        shutil.rmtree(dump, ignore_errors=True)
-        if before.exists():
-            shutil.copytree(before, dump)
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    shutil.rmtree(before, ignore_errors=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch(cmd, dump, env)
     return [json.loads(line) for line in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
 
 

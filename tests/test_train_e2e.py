@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from torchrun import launch
+
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     "--training.steps", "5", "--training.global_batch_size", "4", "--training.loss_groups", "2",
@@ -28,8 +30,7 @@ def run(nproc, dump, *overrides, log=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "titan_sft.train", "--config", "train_configs/debug_model.toml", *BASE,
            "--job.dump_folder", str(dump), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch(cmd, dump, env)
     if log is not None:
         Path(log).write_text(proc.stdout + proc.stderr)
     return [json.loads(l) for l in (Path(dump) / "metrics.jsonl").read_text().splitlines()]
