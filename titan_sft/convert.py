@@ -2,16 +2,21 @@
 
     python -m titan_sft.convert to-hf --checkpoint outputs/run/checkpoints/step-99 --out hf_dir [--dtype bfloat16]
     python -m titan_sft.convert from-hf --hf Qwen3-0.6B --out start_ckpt [--model qwen3 --flavor 0.6B]
+    [torchrun --nproc_per_node N -m] python -m titan_sft.convert from-reference --reference OLD/checkpoints/step-99 \
+        --config train_configs/qwen3_8b_sft.toml [--job.dump_folder NEW ...config overrides]
 
 ``to-hf`` rebuilds the model from the checkpoint's own saved config (meta.json) and writes what a run's export
 writes. ``from-hf`` writes a weights-only DCP checkpoint; start a run from it with ``--checkpoint.resume PATH``
-(model weights are loaded; optimizer, schedule and data order start fresh).
+(model weights are loaded; optimizer, schedule and data order start fresh). ``from-reference`` continues a run of
+the Levanter-port SFT script: its checkpoint (weights, Adam moments, step) becomes ``checkpoints/step-L`` of the
+config's run folder, with the schedule and data order at its step; run the config to continue (docs/migrating.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -162,16 +167,27 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--model", default=None)
     b.add_argument("--flavor", default=None)
-    ns = ap.parse_args(argv)
+    c = sub.add_parser("from-reference", help="Levanter-port script checkpoint -> titan_sft checkpoint to resume")
+    c.add_argument("--reference", required=True, help="its checkpoints/step-L or checkpoints-temp directory")
+    c.add_argument("--config", required=True, help="the titan_sft config of the continuing run (TOML)")
+    ns, rest = ap.parse_known_args(argv)
+    if rest and ns.cmd != "from-reference":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        if ns.cmd == "to-hf":
+        if ns.cmd == "from-reference":
+            from titan_sft.config import load_config
+            from titan_sft.from_reference import import_reference
+
+            path = import_reference(ns.reference, load_config(ns.config, rest))
+        elif ns.cmd == "to-hf":
             path = to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer)
         else:
             path = from_hf(ns.hf, ns.out, ns.model, ns.flavor)
     except (ConvertError, ConfigError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"convert: error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2
-    print(f"convert: wrote {path}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"convert: wrote {path}", file=sys.stderr)
     return 0
 
 
