@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from titan_sft.data.sampler import RecipeSampler
 
@@ -32,7 +34,8 @@ def test_warm_start_from_an_adapter_continues_the_source_model(tmp_path):
     """Run A trains 4 steps and writes adapters/final and its merged HF export (fp32). B starts from A's adapter
     on the base; C starts from A's merged export with fresh adapters (B = 0: they add nothing). Both are A's model,
     so their step-1 losses on the same batch agree (1e-6)."""
-    _run(tmp_path / "a", "--training.steps", "4", "--checkpoint.hf_export_interval", "0", "--optimizer.lr", "2e-2")
+    _run(tmp_path / "a", "--training.steps", "4", "--checkpoint.hf_export_interval", "0", "--optimizer.lr", "2e-2",
+         "--lora.adapter_interval", "2")
     adapter, merged = tmp_path / "a" / "adapters" / "final", tmp_path / "a" / "hf" / "step-3"
     r, b = _run(tmp_path / "b", "--training.steps", "1", "--lora.init_from", str(adapter),
                 "--checkpoint.hf_export_interval", "-1")
@@ -42,6 +45,48 @@ def test_warm_start_from_an_adapter_continues_the_source_model(tmp_path):
     _, fresh = _run(tmp_path / "d", "--training.steps", "1", "--checkpoint.hf_export_interval", "-1")
     assert b[0]["loss"] == pytest.approx(c[0]["loss"], rel=1e-6)
     assert abs(b[0]["loss"] - fresh[0]["loss"]) > 1e-3 * fresh[0]["loss"]  # and not the untrained model's
+
+    # lora.adapter_interval 2: an adapter-only snapshot at label 2 (step 3) without a merged export (hf/ holds only
+    # the final step's, with its adapter step-3 beside it)
+    assert sorted(p.name for p in (tmp_path / "a" / "hf").iterdir()) == ["step-3"]
+    assert sorted(p.name for p in (tmp_path / "a" / "adapters").iterdir()) == ["final", "step-2", "step-3"]
+    snap, final = load_file(str(tmp_path / "a" / "adapters" / "step-2" / "adapter_model.safetensors")), \
+        load_file(str(adapter / "adapter_model.safetensors"))
+    assert snap.keys() == final.keys() and any(not torch.equal(snap[k], final[k]) for k in snap)
+
+    # The reference trainer's layout: LoRA weights alone in the adapter, the trained norms in normalization_state.pt
+    # (the PEFT model's parameter names) and the base's in normalization_initial_state.pt. Its warm start is A's.
+    ref = reference_layout(adapter, tmp_path / "ref")
+    _, e = _run(tmp_path / "e", "--training.steps", "1", "--lora.init_from", str(ref),
+                "--checkpoint.hf_export_interval", "-1")
+    assert e[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-6)
+    (ref / "normalization_state.pt").unlink()  # what warm starts read before: the norms stay the base's
+    _, f = _run(tmp_path / "f", "--training.steps", "1", "--lora.init_from", str(ref),
+                "--checkpoint.hf_export_interval", "-1")
+    assert abs(f[0]["loss"] - b[0]["loss"]) > 1e-5 * b[0]["loss"]
+
+
+def reference_layout(adapter, out):
+    """``adapter`` (titan_sft's, norms as modules_to_save) rewritten as the masked-diffusion reference saves one."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter, out)
+    conf = json.loads((out / "adapter_config.json").read_text())
+    conf["modules_to_save"] = None
+    (out / "adapter_config.json").write_text(json.dumps(conf))
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    lora = {k: v for k, v in tensors.items() if ".lora_" in k}
+    norms = {k.replace(".modules_to_save.default", ""): v for k, v in tensors.items() if ".lora_" not in k}
+    assert norms and all("norm" in k for k in norms)
+    save_file(lora, str(out / "adapter_model.safetensors"))
+    torch.save(norms, out / "normalization_state.pt")
+    initial = load_file(str(out / "initial_norms.safetensors"))
+    torch.save({f"base_model.model.{k}": v for k, v in initial.items()}, out / "normalization_initial_state.pt")
+    (out / "initial_norms.safetensors").unlink()
+    return out
 
 
 def test_warm_start_refuses_a_mismatched_adapter(tmp_path):
@@ -67,6 +112,33 @@ def test_warm_start_refuses_a_mismatched_adapter(tmp_path):
         warm_start(model, tmp_path / "part", cfg.lora)
     with pytest.raises(ConfigError, match="not a PEFT adapter directory"):
         warm_start(model, tmp_path, cfg.lora)
+
+    # the reference trainer's norms beside the adapter: all trained norms, by names of this model, on its base
+    import dataclasses
+
+    from titan_sft.lora import check_initial_norms
+
+    full = tmp_path / "full"
+    save_peft_adapter({k: v for k, v in state.items() if "norm" not in k}, cfg.lora, full, None, False,
+                      native_to_hf_name)
+    norms = {native_to_hf_name(k): torch.ones(v.shape) for k, v in state.items() if "norm" in k}
+    torch.save({k: v for k, v in norms.items() if "layers.1." not in k}, full / "normalization_state.pt")
+    with pytest.raises(ConfigError, match="normalization_state.pt lacks the trained norm 'layers.1."):
+        warm_start(model, full, cfg.lora)
+    torch.save({**norms, "model.layers.0.mlp.gate_proj.weight": torch.ones(1)}, full / "normalization_state.pt")
+    with pytest.raises(ConfigError, match="holds 'model.layers.0.mlp.gate_proj.weight', not a norm"):
+        warm_start(model, full, cfg.lora)
+    torch.save({f"base_model.model.{k}": v for k, v in norms.items()}, full / "normalization_state.pt")
+    assert warm_start(model, full, cfg.lora) == len(state)
+    assert all(torch.equal(p, torch.ones(p.shape)) for n, p in model.named_parameters() if "norm" in n)
+    with pytest.raises(ConfigError, match="lora.train_norms"):
+        warm_start(model, full, dataclasses.replace(cfg.lora, train_norms=False))
+    initial = {k: torch.full(v.shape, 2.0) for k, v in state.items() if "norm" in k}
+    torch.save({native_to_hf_name(k): v for k, v in initial.items()}, full / "normalization_initial_state.pt")
+    check_initial_norms(full, initial)
+    initial["norm.weight"] = initial["norm.weight"] + 0.5
+    with pytest.raises(ConfigError, match="'norm.weight' of the base the adapter was trained from.*0.5"):
+        check_initial_norms(full, initial)
 
 
 def test_skip_examples_starts_the_order_later_and_is_kept_on_resume():

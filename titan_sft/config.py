@@ -310,7 +310,10 @@ class Lora:
     experts: bool = doc(False, "models with routed experts: also adapt every expert's weights among the targets "
                                "(gate/up/down_proj), with per-expert factors stored stacked")
     init_from: str = doc("", "warm start: a PEFT LoRA adapter directory (titan_sft's adapters/* or peft's) whose "
-                             "adapters (and trained norms) replace the initial ones; its r must equal rank")
+                             "adapters (and trained norms, also the reference trainer's normalization_state.pt) "
+                             "replace the initial ones; its r must equal rank")
+    adapter_interval: int = doc(0, "adapter-only snapshots adapters/step-<L> every this many steps (Levanter's step "
+                                   "labels), apart from the merged exports; 0 = none")
 
 
 @dataclass
@@ -611,6 +614,7 @@ def validate(cfg: JobConfig) -> None:
          "false unless objective.eos_padding_loss is true (the split weights the supervised padding)", ob.split_loss)
     lo = cfg.lora
     need(lo.rank >= 1, "lora.rank", ">= 1", lo.rank)
+    need(lo.adapter_interval >= 0, "lora.adapter_interval", ">= 0 (0: no snapshots)", lo.adapter_interval)
     need(0 <= lo.dropout < 1, "lora.dropout", "0 <= dropout < 1", lo.dropout)
     need(bool(lo.targets) and set(lo.targets) <= set(LORA_TARGETS), "lora.targets",
          f"a non-empty list of {', '.join(LORA_TARGETS)}", lo.targets)

@@ -585,9 +585,51 @@ def _split_qkv_adapter(hf_module: str, kind: str, t: torch.Tensor, conf: dict) -
     return out
 
 
+# The masked-diffusion reference trainer keeps its trained norms beside the adapter, not in it: their values, and
+# the base's values it started them from.
+REFERENCE_NORMS, REFERENCE_INITIAL_NORMS = "normalization_state.pt", "normalization_initial_state.pt"
+
+
+def read_reference_norms(path: Path) -> dict[str, torch.Tensor]:
+    """A reference norms file by native name. Its keys may be the PEFT model's parameter names
+    (``base_model.model.model.layers.0.input_layernorm.weight``), a ``module.``-prefixed copy of them, or HF names."""
+    from titan_sft.config import ConfigError
+    from titan_sft.models.hf_adapter import hf_to_native_name
+
+    out = {}
+    for key, t in torch.load(path, map_location="cpu", weights_only=True).items():
+        hf = key.removeprefix("module.").removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+        try:
+            native = hf_to_native_name(hf)
+        except KeyError:
+            native = ""
+        if "norm" not in native:
+            raise ConfigError(f"config key 'lora.init_from': {path} holds '{key}', not a norm of this model")
+        out[native] = t
+    return out
+
+
+def check_initial_norms(adapter_dir: str | Path, initial: dict[str, torch.Tensor]) -> None:
+    """Refuses a warm start whose adapter was trained from another base: the reference's record of the norms it
+    started from (``normalization_initial_state.pt``) must equal this run's base's (``initial``, before the start)."""
+    from titan_sft.config import ConfigError
+
+    path = Path(adapter_dir) / REFERENCE_INITIAL_NORMS
+    if not path.is_file():
+        return
+    for key, t in read_reference_norms(path).items():
+        if key in initial and not torch.equal(t.float(), initial[key].float()):
+            diff = (t.float() - initial[key].float()).abs().max().item()
+            raise ConfigError(f"config key 'lora.init_from': {path} records '{key}' of the base the adapter was "
+                              f"trained from, and this run's base differs (max |difference| {diff:.3g}); start from "
+                              "that base (model.hf_assets_path)")
+
+
 def warm_start(model: nn.Module, adapter_dir: str | Path, lo: Lora) -> int:
     """Copies an adapter directory's tensors into the (sharded) model's trainable parameters; returns how many.
-    Every adapter of the model must be in it, with this run's rank (one clear error otherwise)."""
+    Every adapter of the model must be in it, with this run's rank (one clear error otherwise). The reference
+    trainer's trained norms (``normalization_state.pt`` beside its adapter) are read too, and must then cover
+    every trained norm."""
     from titan_sft.config import ConfigError
     from titan_sft.parallel.distributed import unwrapped_name
 
@@ -597,12 +639,21 @@ def warm_start(model: nn.Module, adapter_dir: str | Path, lo: Lora) -> int:
     conf, state = read_peft_adapter(d)
     if int(conf.get("r", -1)) != lo.rank:
         raise ConfigError(f"config key 'lora.init_from': {d} has r = {conf.get('r')}, this run lora.rank = {lo.rank}")
+    norms = (d / REFERENCE_NORMS).is_file()
+    if norms and not lo.train_norms:
+        raise ConfigError(f"config key 'lora.train_norms': {d / REFERENCE_NORMS} holds trained norms, and this run "
+                          "keeps the norms frozen; set lora.train_norms = true")
+    if norms:
+        state.update(read_reference_norms(d / REFERENCE_NORMS))
     n = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             key = unwrapped_name(name)
             if is_adapter_key(key) and key not in state:
                 raise ConfigError(f"config key 'lora.init_from': {d} lacks {key} (targets {conf.get('target_modules')})")
+            if norms and p.requires_grad and "norm" in key and key not in state:
+                raise ConfigError(f"config key 'lora.init_from': {d / REFERENCE_NORMS} lacks the trained norm "
+                                  f"'{key}'")
             if p.requires_grad and key in state:
                 _copy_full(p, state[key].float())
                 n += 1
@@ -658,8 +709,25 @@ def on_start(model: nn.Module, cfg: JobConfig, exporter) -> None:
     if cfg.lora.train_norms:
         exporter.initial_norms = {k: v for k, v in trainable_full_state(model).items() if "norm" in k}
     if cfg.lora.init_from:
+        if cfg.lora.train_norms:
+            check_initial_norms(cfg.lora.init_from, exporter.initial_norms)
         n = warm_start(model, cfg.lora.init_from, cfg.lora)
         logger.info(f"[init] warm start: {n} adapter and norm tensors from {cfg.lora.init_from}")
+
+
+def on_step(model: nn.Module, cfg: JobConfig, exporter, completed_steps: int, total_steps: int) -> None:
+    """``adapters/step-<L>`` every ``lora.adapter_interval`` steps (Levanter's cadence), adapter-only snapshots
+    apart from the merged exports (which write one beside each ``hf/step-<L>``); the last step's is adapters/final."""
+    from titan_sft.checkpoint import hook_fires, label
+    from titan_sft.log import logger
+
+    period, export = cfg.lora.adapter_interval, cfg.checkpoint.hf_export_interval
+    if period <= 0 or completed_steps == total_steps or not hook_fires(completed_steps, total_steps, period):
+        return
+    if export >= 0 and hook_fires(completed_steps, total_steps, export):
+        return  # the merged export of this step wrote it
+    path = exporter.save_adapter(model, Path(cfg.job.dump_folder) / "adapters" / f"step-{label(completed_steps)}")
+    logger.info(f"[export] wrote {path}")
 
 
 def on_end(model: nn.Module, cfg: JobConfig, exporter) -> None:
@@ -670,4 +738,4 @@ def on_end(model: nn.Module, cfg: JobConfig, exporter) -> None:
     logger.info(f"[export] wrote {path}")
 
 
-register_converter("lora", apply_lora, on_start=on_start, on_end=on_end)
+register_converter("lora", apply_lora, on_start=on_start, on_end=on_end, on_step=on_step)

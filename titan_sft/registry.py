@@ -138,17 +138,19 @@ def list_objectives() -> list[str]:
 
 
 def register_converter(name: str, apply: Callable, *, overwrite: bool = False, on_start: Callable | None = None,
-                       on_end: Callable | None = None) -> None:
+                       on_end: Callable | None = None, on_step: Callable | None = None) -> None:
     """Registers a model converter; ``apply(model, cfg, device)`` swaps modules of the meta-device model in
     place (before activation checkpointing, compile and FSDP). Optional hooks, each ``hook(model, cfg, exporter)``
     on every rank: ``on_start`` once the model holds its starting weights and the validators kept what they need
-    of them (before a resume), ``on_end`` after the last step (LoRA: a warm start, and adapters/final)."""
+    of them (before a resume), ``on_end`` after the last step (LoRA: a warm start, and adapters/final), and
+    ``on_step`` after each step's checkpoint and export, called with (completed steps, total steps) as well (LoRA:
+    adapter snapshots)."""
     _register(_CONVERTERS, "model converter", name, apply, overwrite)
-    _CONVERTER_HOOKS[name] = {"on_start": on_start, "on_end": on_end}
+    _CONVERTER_HOOKS[name] = {"on_start": on_start, "on_end": on_end, "on_step": on_step}
 
 
 def converter_hook(name: str, when: str) -> Callable | None:
-    """The converter's ``on_start`` / ``on_end`` hook, or None."""
+    """The converter's ``on_start`` / ``on_end`` / ``on_step`` hook, or None."""
     return _CONVERTER_HOOKS.get(name, {}).get(when)
 
 

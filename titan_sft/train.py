@@ -137,12 +137,13 @@ class Trainer:
         self.metrics.start(self.step)
 
     # -- set-up ----------------------------------------------------------------------------------------------
-    def _converter_hooks(self, when: str) -> None:
-        """The converters' ``on_start`` / ``on_end`` hooks (titan_sft.registry.register_converter), in order."""
+    def _converter_hooks(self, when: str, *args) -> None:
+        """The converters' ``on_start`` / ``on_end`` / ``on_step`` hooks (titan_sft.registry.register_converter),
+        in order."""
         for name in self.cfg.model.converters:
             hook = converter_hook(name, when)
             if hook is not None:
-                hook(self.model, self.cfg, self.exporter)
+                hook(self.model, self.cfg, self.exporter, *args)
 
     def _banner(self) -> None:
         """What this run is, on rank 0, before the first step."""
@@ -331,6 +332,7 @@ class Trainer:
                 self.metrics.log(record)
             self.checkpointer.maybe_save(self.step, self.total_steps, self.checkpoint_votes)
             self.checkpointer.maybe_export(self.step, self.total_steps)
+            self._converter_hooks("on_step", self.step, self.total_steps)
             if self.validator:
                 with high_precision_matmuls(self.model):  # validation stays bf16 when training in float8
                     records = self.validator.maybe_validate(self.step, self.total_steps, self.model, self.checkpointer)
