@@ -168,3 +168,44 @@ def test_wandb_offline_run_resumes_under_the_same_id(tmp_path):
         assert b"train/loss" in blob
         assert all(json.dumps(losses[s]).encode() in blob for s in mine)
         assert not any(json.dumps(losses[s]).encode() in blob for s in other)
+
+
+def test_wandb_carries_the_reference_scripts_keys_and_names_the_run_after_its_folder(tmp_path, monkeypatch):
+    """metrics.wandb_reference_keys: train/tokens = the loss targets, train/step_time, and train/lr = the next
+    update's lr (titan_sft's step lr under train/lr_step); validation records unchanged. An empty wandb_run_name
+    names the run after the run folder, as the Levanter-port script's --wandb-name does."""
+    import types
+
+    import torch
+
+    from titan_sft.config import load_config
+    from titan_sft.metrics import MetricsLogger
+
+    calls = {"log": []}
+
+    class Run:
+        def log(self, payload, step):
+            calls["log"].append((step, payload))
+
+        def finish(self):
+            pass
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    cfg = load_config(None, ["--job.dump_folder", str(tmp_path / "my-run"), "--metrics.wandb_project", "p",
+                             "--metrics.enable_tensorboard", "false", "--metrics.wandb_reference_keys", "true",
+                             "--metrics.progress_bar", "false"])
+    m = MetricsLogger(cfg, 0, torch.device("cpu"), 10, None)
+    m.start(0)
+    m.log({"split": "train", "step": 1, "loss": 2.0, "lr": 0.0, "lr_next": 1e-4, "grad_norm": 1.0,
+           "n_loss_tokens": 37, "n_tokens": 64, "step_time_s": 0.5, "tokens_per_s": 128.0})
+    m.log({"split": "validation", "step": 1, "loss": 2.5})
+    m.close()
+    assert calls["init"]["name"] == "my-run"
+    (_, train), (_, val) = calls["log"]
+    assert train["train/lr"] == 1e-4 and train["train/lr_step"] == 0.0 and train["train/lr_next"] == 1e-4
+    assert train["train/tokens"] == 37 and train["train/step_time"] == 0.5 and train["train/loss"] == 2.0
+    assert val == {"validation/step": 1, "validation/loss": 2.5}

@@ -237,7 +237,11 @@ class Metrics:
     enable_tensorboard: bool = doc(True, "write TensorBoard event files under <dump_folder>/tb")
     wandb_project: str = doc("", "Weights & Biases project; empty disables W&B")
     wandb_id: str = doc("", "W&B run id to resume; empty starts a new run")
-    wandb_run_name: str = doc("", "W&B run name; empty lets W&B choose")
+    wandb_run_name: str = doc("", "W&B run name; empty: the run folder's name (job.dump_folder)")
+    wandb_reference_keys: bool = doc(
+        False, "also log the Levanter-port SFT script's W&B keys by its definitions: train/tokens (loss targets), "
+               "train/step_time (s) and train/lr as the next update's lr (titan_sft's step lr moves to "
+               "train/lr_step), so its dashboards keep working")
     progress_bar: Literal["auto", True, False] = doc(
         "auto", "a live progress bar (rank 0: step, running loss, rate, ETA) under the log lines; auto: when "
                 "stderr is a terminal")

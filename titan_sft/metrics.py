@@ -129,7 +129,7 @@ class MetricsLogger:
 
             self.wandb = wandb.init(project=cfg.wandb_project, id=cfg.wandb_id or None, resume="allow",
                                     config=job_cfg.to_dict(), dir=dump_folder, notes=job_cfg.job.description or None,
-                                    name=cfg.wandb_run_name or None)
+                                    name=cfg.wandb_run_name or Path(dump_folder).resolve().name)
 
     def start(self, completed_steps: int) -> None:
         """Opens the records of a run that continues after ``completed_steps`` (0: a fresh start).
@@ -203,8 +203,7 @@ class MetricsLogger:
                 for tag, v in _flatten(value, f"{split_tag}/{key}"):
                     self.tb.add_scalar(tag, v, step)
         if self.wandb:
-            self.wandb.log({f"{split_tag}/{k}": v for k, v in record.items() if k not in ("split", "source")},
-                           step=step)
+            self.wandb.log(wandb_payload(record, split_tag, self.cfg.wandb_reference_keys), step=step)
         if record.get("skipped"):
             return
         if split == "train":
@@ -233,6 +232,22 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+# The Levanter-port SFT script's W&B train keys: its name -> the record field holding its definition.
+REFERENCE_WANDB_KEYS = {"train/lr": "lr_next", "train/tokens": "n_loss_tokens", "train/step_time": "step_time_s"}
+
+
+def wandb_payload(record: dict, split_tag: str, reference_keys: bool) -> dict:
+    """A record as W&B logs it: ``<split>/<field>``; with ``reference_keys`` a train record also carries the
+    reference script's keys (:data:`REFERENCE_WANDB_KEYS`), and titan_sft's own ``lr`` (the step's) becomes
+    ``train/lr_step`` since the script's ``train/lr`` is the next update's."""
+    out = {f"{split_tag}/{k}": v for k, v in record.items() if k not in ("split", "source")}
+    if reference_keys and split_tag == "train":
+        if "lr" in record:
+            out["train/lr_step"] = record["lr"]
+        out.update({key: record[field] for key, field in REFERENCE_WANDB_KEYS.items() if field in record})
+    return out
 
 
 class ProgressBar:

@@ -227,7 +227,7 @@ class Trainer:
             self.skipped += 1
             logger.warning(f"[skip] {skip} ({self.skipped} skipped so far)")
             return {"split": "train", "step": batch.step + 1, "skipped": True, "reason": skip, "lr": lr,
-                    "n_loss_tokens": 0, "skipped_total": self.skipped}
+                    "lr_next": self.optimizer.param_groups[0]["lr"], "n_loss_tokens": 0, "skipped_total": self.skipped}
         t0 = time.perf_counter()
         device = self.dist.device
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -268,7 +268,9 @@ class Trainer:
         loss, n_tokens, flops, sums = self._agree(loss_sum, n_tokens, flops, self.objective.step_sums())
         after = self.objective.end_step(self.model, sums)
         dt = time.perf_counter() - t0
-        return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        # lr: the lr this step's update used; lr_next: the next update's (read after the scheduler step)
+        return {"split": "train", "step": batch.step + 1, "loss": loss, "lr": lr,
+                "lr_next": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
                 **self.objective.step_metrics(sums), **after, "n_tokens": n_tokens, "step_time_s": dt,
                 **self.metrics.throughput(n_tokens, flops, dt, self.dist.world), **batch.metrics}
 
