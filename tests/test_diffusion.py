@@ -356,6 +356,27 @@ def test_sampler_schedule_blocks_determinism_and_eos():
     guided = generate(lambda x: model(x), prompt, **kw, cfg_scale=1.0)
     assert len(guided) == 12 and (guided != MASK).all()
 
+    # late_ids (the reference's confidence_eos_eot_inf): the first half of each block draws EOS with the highest
+    # confidence, the second half token 7 with less; EOS positions are then revealed after the others, and kept
+    def eos_first_half(x):
+        logits = torch.zeros(x.shape[0], x.shape[1], 512)
+        first = ((torch.arange(x.shape[1]) - lp) % 6) < 3
+        logits[:, first, eos] = 10.0
+        logits[:, ~first, 7] = 5.0
+        return logits
+
+    for late, order in ((None, "eos first"), ([eos], "eos last")):
+        out = generate(eos_first_half, prompt, **kw, late_ids=late, trace=(tr := []))
+        assert (out == torch.tensor([eos] * 3 + [7] * 3 + [eos] * 3 + [7] * 3)).all()
+        when = {p: step for step, ps in tr for p in ps}  # the step that revealed each position
+        for block in range(2):
+            eos_steps = [when[lp + 6 * block + j] for j in range(3)]
+            other_steps = [when[lp + 6 * block + j] for j in range(3, 6)]
+            if order == "eos first":
+                assert max(eos_steps) <= min(other_steps), tr
+            else:
+                assert max(other_steps) <= min(eos_steps) and max(eos_steps) > min(eos_steps), tr
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # LoRA

@@ -209,3 +209,26 @@ def test_wandb_carries_the_reference_scripts_keys_and_names_the_run_after_its_fo
     assert train["train/lr"] == 1e-4 and train["train/lr_step"] == 0.0 and train["train/lr_next"] == 1e-4
     assert train["train/tokens"] == 37 and train["train/step_time"] == 0.5 and train["train/loss"] == 2.0
     assert val == {"validation/step": 1, "validation/loss": 2.5}
+
+
+def test_generation_prompts_inline_and_with_a_system_prompt(tmp_path):
+    """validation.system_prompt: a system turn for every prompt without one (a chat's own system turn is kept);
+    validation.generation_prompts: user turns given inline, before the file's prompts."""
+    from titan_sft.data.chat import load_tokenizer
+    from titan_sft.diffusion_sampler import inline_prompts, load_prompts
+
+    tok = load_tokenizer(str(ROOT / "titan_sft/assets/debug_tokenizer"))
+    enc = lambda msgs: tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),  # noqa: E731
+                                  add_special_tokens=False)
+    rows = [{"messages": [{"role": "user", "content": "upper: ab"}, {"role": "assistant", "content": "AB"}]},
+            {"messages": [{"role": "system", "content": "own"}, {"role": "user", "content": "upper: cd"}]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sys_turn = {"role": "system", "content": "be brief"}
+    got = load_prompts(str(path), tok, 10, "be brief")
+    assert got[0] == (enc([sys_turn, rows[0]["messages"][0]]), "AB")
+    assert got[1] == (enc(rows[1]["messages"]), None)
+    assert load_prompts(str(path), tok, 10) == [(enc(rows[0]["messages"][:1]), "AB"), (enc(rows[1]["messages"]), None)]
+    assert load_prompts(str(path), tok, 1, "be brief") == got[:1]
+    assert inline_prompts(["upper: xy"], tok, "be brief") == [(enc([sys_turn, {"role": "user", "content": "upper: xy"}]),
+                                                               None)]

@@ -284,7 +284,8 @@ class Validation:
                              "best checkpoint's weights (the final ones without keep_best)")
     noise_seed: int = doc(1234, "masked_diffusion: seed of the validation noise (t and masks follow from it and "
                                 "the example index, so the loss is comparable across steps and runs)")
-    generation_every: int = doc(0, "masked_diffusion: generation validation on generation_eval_path every this "
+    generation_every: int = doc(0, "masked_diffusion: generation validation on generation_prompts and "
+                                   "generation_eval_path every this "
                                    "many validation rounds (and after the last step); 0 disables")
     gen_length: int = doc(32, "masked_diffusion sampler: answer tokens generated (a multiple of block_length)")
     gen_steps: int = doc(32, "masked_diffusion sampler: denoising steps in all (a multiple of the blocks)")
@@ -295,6 +296,13 @@ class Validation:
     cfg_scale: float = doc(0.0, "masked_diffusion sampler: classifier-free guidance scale (0 disables)")
     no_early_eos: bool = doc(False, "masked_diffusion sampler: never generate end-of-text/turn tokens (their "
                                     "logits set to -inf before sampling)")
+    confidence_eos_eot_inf: bool = doc(False, "masked_diffusion sampler, the reference trainer's option: a drawn "
+                                              "end-of-text/turn token gets the lowest confidence, so it is revealed "
+                                              "after every other masked position of its block (still generated)")
+    system_prompt: str = doc("", "masked_diffusion generation validation: a system turn for every prompt without "
+                                 "one; empty: none")
+    generation_prompts: list[str] = doc([], "masked_diffusion generation validation: user turns given inline, "
+                                            "evaluated before generation_eval_path's prompts (which may be empty)")
 
 
 @dataclass

@@ -10,6 +10,9 @@ positions of the block are revealed, k following :func:`reveal_schedule`.
 ``forbid_ids`` (end-of-text / end-of-turn, the ``no_early_eos`` option) get logits of -inf BEFORE sampling, so
 they are never drawn. (LLaDA's published code applies this after drawing, where it changes only the confidence
 and an end token can still be revealed; we do what the option says.)
+``late_ids`` (the reference trainer's ``confidence_eos_eot_inf``) change only the confidence: a position whose
+drawn token is one of them is revealed after every other masked position of its block (among themselves by
+confidence), so end tokens can still be generated, only last.
 The mask token itself is never drawn. Classifier-free guidance: ``logits = uncond + (s + 1) * (cond - uncond)``, the unconditional pass with the prompt
 replaced by mask tokens. Reproducible: every prompt has its own seed.
 """
@@ -52,7 +55,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: float, generator: torch.Gen
 def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Tensor, *, mask_id: int,
              gen_length: int, block_length: int, steps: int, temperature: float = 0.0,
              remasking: str = "low_confidence", cfg_scale: float = 0.0, forbid_ids: list[int] | None = None,
-             seed: int = 0, shift: bool = False, trace: list | None = None) -> torch.Tensor:
+             late_ids: list[int] | None = None, seed: int = 0, shift: bool = False,
+             trace: list | None = None) -> torch.Tensor:
     """Generates ``gen_length`` tokens after ``prompt`` (long [Lp]); returns them (long [gen_length]).
 
     Args:
@@ -96,6 +100,8 @@ def generate(logits_fn: Callable[[torch.Tensor], torch.Tensor], prompt: torch.Te
                 conf = torch.rand(x0.shape, dtype=torch.float64, generator=gen, device=device)
             else:
                 raise ValueError(f"remasking must be low_confidence or random, got {remasking!r}")
+            if late_ids:  # below every confidence in [0, 1], above the -inf of positions that cannot be revealed
+                conf = torch.where(torch.isin(x0, torch.tensor(late_ids, device=device)), conf - 2.0, conf)
             in_block = torch.zeros_like(masked)
             in_block[:, lo:hi] = True
             conf = torch.where(masked & in_block, conf, -math.inf)
@@ -169,7 +175,10 @@ class GenerationValidator:
 
             tok_dir = PackedDataset(cfg.data.path or cfg.data.sources[0].path).manifest.get("tokenizer", "")
         self.tokenizer = load_tokenizer(resolve_hf_dir(tok_dir))
-        self.prompts = load_prompts(resolve_prompts(v.generation_eval_path), self.tokenizer, v.max_examples)
+        self.prompts = inline_prompts(v.generation_prompts, self.tokenizer, v.system_prompt)
+        if v.generation_eval_path:
+            self.prompts += load_prompts(resolve_prompts(v.generation_eval_path), self.tokenizer,
+                                         v.max_examples - len(self.prompts), v.system_prompt)
         self.every, self.rounds = v.generation_every, 0
         self.interval = v.interval
         self.row_multiple = cfg.parallelism.tp  # sequence parallel splits every row over the tp ranks
@@ -212,7 +221,8 @@ class GenerationValidator:
             ids = generate(lambda x: whole_row_logits(model, x, self.row_multiple), torch.tensor(prompt, device=device), mask_id=self.mask_id,
                            gen_length=v.gen_length, block_length=v.block_length, steps=v.gen_steps,
                            temperature=v.temperature, remasking=v.remasking, cfg_scale=v.cfg_scale,
-                           forbid_ids=end_ids if v.no_early_eos else None, seed=self.cfg.validation.noise_seed + i,
+                           forbid_ids=end_ids if v.no_early_eos else None,
+                           late_ids=end_ids if v.confidence_eos_eot_inf else None, seed=self.cfg.validation.noise_seed + i,
                            shift=self.cfg.objective.shift)
             outs.append(answer_tokens(ids.tolist(), end_ids))
         nll, alone = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device)
@@ -310,27 +320,44 @@ def resolve_prompts(path: str) -> str:
     return str(BUILTIN_PROMPTS) if path == "builtin" else path
 
 
-def load_prompts(path: str, tokenizer, limit: int) -> list[tuple[list[int], str | None]]:
+def with_system(messages: list, system_prompt: str) -> list:
+    """``messages`` with ``system_prompt`` as a leading system turn, unless empty or the chat has its own."""
+    if not system_prompt or any(isinstance(m, dict) and m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def _encode_prompt(tokenizer, messages: list) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def inline_prompts(texts: list[str], tokenizer, system_prompt: str = "") -> list[tuple[list[int], None]]:
+    """(prompt ids, None) per user turn given inline (``validation.generation_prompts``)."""
+    return [(_encode_prompt(tokenizer, with_system([{"role": "user", "content": t}], system_prompt)), None)
+            for t in texts]
+
+
+def load_prompts(path: str, tokenizer, limit: int, system_prompt: str = "") -> list[tuple[list[int], str | None]]:
     """(prompt ids, reference answer or None) per row of a chat / instruction JSONL (the last assistant turn is
-    the reference; a chat row ending with a user turn is a prompt without one)."""
+    the reference; a chat row ending with a user turn is a prompt without one), at most ``limit``; a row without
+    a system turn gets ``system_prompt`` (when not empty)."""
     from titan_sft.data.prepare_diffusion import examples_from_row
 
     out = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if len(out) >= limit:
+            break
         if not line.strip():
             continue
         row = json.loads(line)
         msgs = row.get("messages")
         if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "user":
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            out.append((tokenizer.encode(text, add_special_tokens=False), None))
+            out.append((_encode_prompt(tokenizer, with_system(msgs, system_prompt)), None))
         else:
             try:
                 prompt_msgs, answer = examples_from_row(row, np.random.default_rng(0), -1, 1.0)[-1]
             except ValueError as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from None
-            text = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
-            out.append((tokenizer.encode(text, add_special_tokens=False), answer["content"]))
-        if len(out) == limit:
-            break
+            out.append((_encode_prompt(tokenizer, with_system(prompt_msgs, system_prompt)), answer["content"]))
     return out

@@ -102,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
     ap.add_argument("--cfg-scale", type=float, default=0.0)
     ap.add_argument("--no-early-eos", action="store_true", help="never generate end-of-text / end-of-turn tokens")
+    ap.add_argument("--confidence-eos-eot-inf", action="store_true",
+                    help="reveal drawn end-of-text / end-of-turn tokens after every other position of their block")
+    ap.add_argument("--system-prompt", default="", help="a system turn for every chat prompt without one")
     ap.add_argument("--seed", type=int, default=0, help="seed of the first prompt (prompt i uses seed + i)")
     ap.add_argument("--max-examples", type=int, default=1000)
     ap.add_argument("--out", default=None, help="write one JSON object per prompt here (default: stdout)")
     a = ap.parse_args(argv)
     try:
         from titan_sft.data.chat import load_tokenizer
-        from titan_sft.diffusion_sampler import load_prompts
+        from titan_sft.diffusion_sampler import inline_prompts, load_prompts
 
         model, tok_dir, record = load_model(a.model, a.base)
         tokenizer = load_tokenizer(a.tokenizer or tok_dir)
@@ -119,13 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             raise GenerateError(f"--mask-token-id {mask_id} is outside the embedding table (0 .. "
                                 f"{model.args.vocab_size - 1})")
         prompts: list[tuple[list[int], str | None]] = []
-        for text in a.prompt:
-            if not a.raw:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                     add_generation_prompt=True)
-            prompts.append((tokenizer.encode(text, add_special_tokens=False), None))
+        if a.raw:
+            prompts += [(tokenizer.encode(text, add_special_tokens=False), None) for text in a.prompt]
+        else:
+            prompts += inline_prompts(a.prompt, tokenizer, a.system_prompt)
         if a.prompts:
-            prompts += load_prompts(a.prompts, tokenizer, a.max_examples)
+            prompts += load_prompts(a.prompts, tokenizer, a.max_examples, a.system_prompt)
         if not prompts:
             raise GenerateError("no prompts: give --prompt TEXT or --prompts FILE")
         model.backend.causal = False  # masked diffusion: bidirectional attention
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = generate(lambda x: model(x), torch.tensor(prompt), mask_id=mask_id, gen_length=a.gen_length,
                            block_length=a.block_length, steps=a.steps, temperature=a.temperature,
                            remasking=a.remasking, cfg_scale=a.cfg_scale,
-                           forbid_ids=end_ids if a.no_early_eos else None, seed=a.seed + i, shift=shift)
+                           forbid_ids=end_ids if a.no_early_eos else None,
+                           late_ids=end_ids if a.confidence_eos_eot_inf else None, seed=a.seed + i, shift=shift)
             toks = answer_tokens(ids.tolist(), end_ids)
             row = {"index": i, "prompt": tokenizer.decode(prompt), "text": tokenizer.decode(toks, skip_special_tokens=True),
                    "n_tokens": len(toks)}

@@ -289,7 +289,7 @@ class MaskedDiffusion(Objective):
         validators: list[Validator] = []
         if v.path or v.holdout_fraction or v.test_path or v.sources:
             validators.append(DenoisingValidator(self))
-        if v.generation_eval_path and v.generation_every:
+        if (v.generation_eval_path or v.generation_prompts) and v.generation_every:
             validators.append(GenerationValidator(self, model))
         return Validators(validators) if validators else None
 
