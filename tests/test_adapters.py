@@ -111,6 +111,11 @@ def test_parameter_audit_counts_trainable_and_frozen_by_module_type(run):
         "RMSNorm": {"trainable": norms, "frozen": 0},
     }, audit["by_module_type"]
     assert (audit["trainable"], audit["frozen"]) == (adapters + norms, base + vocab * dim) == (157056, 851968)
+    # the trainable names: A and B of 7 projections and 4 norms per layer, and the final norm
+    names = audit["trainable_names"]
+    assert len(names) == layers * (7 * 2 + 4) + 1 and names == sorted(names)
+    assert "layers.0.attention.wq.lora_a" in names and "layers.3.feed_forward.w2.lora_b" in names
+    assert "norm.weight" in names and not any("tok_embeddings" in n or n.endswith("wq.weight") for n in names)
 
 
 @pytest.mark.slow

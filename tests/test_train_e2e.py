@@ -65,6 +65,11 @@ def test_world_size_invariance_and_preclip_norm(tmp_path):
     assert one[-1]["loss"] < one[0]["loss"]
     resolved = json.loads((tmp_path / "one" / "resolved_config.json").read_text())
     assert resolved["training"]["per_device_batch"] == 2
+    # what the run derived (the reference trainer's resolved values): 5 steps of 4 packs from the 1,111 packs
+    derived = resolved["derived"]
+    assert derived["lr"] == 1e-3 and derived["lr_scale"] == 1.0 and derived["packs_used"] == 20
+    assert derived["microbatches_per_step"] == 2 and derived["epochs"] == pytest.approx(20 / 1111)
+    assert derived["fp8_requested"] is derived["fp8_active"] is False and derived["param_dtype"] == "float32"
 
 
 @pytest.mark.slow

@@ -376,11 +376,12 @@ class JobConfig:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
-    def write_resolved(self, path: str | Path) -> None:
-        """Writes ``resolved_config.json`` atomically (temporary sibling, then rename)."""
+    def write_resolved(self, path: str | Path, derived: dict | None = None) -> None:
+        """Writes ``resolved_config.json`` atomically (temporary sibling, then rename); ``derived``: what the run
+        derived from the settings (its own section)."""
         path = Path(path)
         tmp = path.with_name(path.name + ".partial")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.write_text(json.dumps({**self.to_dict(), **({"derived": derived} if derived else {})}, indent=2) + "\n")
         tmp.replace(path)
 
 

@@ -296,6 +296,25 @@ class Trainer:
         self.signalled, self.checkpoint_votes = agreed[k + 3] > 0, agreed[k + 4:]
         return agreed[0], int(agreed[k + 1]), agreed[k + 2], agreed[1 : k + 1]
 
+    def derived_values(self) -> dict:
+        """What the run derived from its config (resolved_config.json's ``derived``, as the reference trainer
+        writes): the learning rate after batch scaling, the batch and accumulation, steps and packs consumed,
+        whether float8 was asked for and is in the model, and the precision."""
+        from titan_sft.optimizer import scaled_lr
+
+        t, opt, d = self.cfg.training, self.cfg.optimizer, self.dist
+        lr = scaled_lr(opt, t.global_batch_size)
+        n_packs = self.sampler.n_packs
+        return {"lr": lr, "lr_scale": lr / opt.lr if opt.lr else None, "lr_scaling": opt.lr_scaling,
+                "packs_per_step": t.global_batch_size, "data_parallel_ranks": d.dp_world,
+                "per_device_batch": t.per_device_batch,
+                "microbatches_per_step": t.global_batch_size // d.dp_world // t.per_device_batch,
+                "steps": self.total_steps, "packs_used": self.total_steps * t.global_batch_size,
+                "packs_in_dataset": n_packs, "epochs": self.total_steps * t.global_batch_size / n_packs,
+                "fp8_requested": t.float8,
+                "fp8_active": any("Float8" in type(m).__name__ for m in self.model.modules()),
+                "param_dtype": t.param_dtype, "world_size": d.world}
+
     # -- the run ---------------------------------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
@@ -303,7 +322,7 @@ class Trainer:
         if self.dist.rank == 0:
             out = Path(cfg.job.dump_folder)
             out.mkdir(parents=True, exist_ok=True)
-            cfg.write_resolved(out / "resolved_config.json")
+            cfg.write_resolved(out / "resolved_config.json", derived=self.derived_values())
             if self.objective_record:
                 atomic_write_text(out / "objective.json", json.dumps(self.objective_record, indent=2) + "\n")
             atomic_write_text(out / "parameter_audit.json", json.dumps(audit, indent=2) + "\n")
@@ -406,7 +425,10 @@ def parameter_audit(model: torch.nn.Module, pp_group=None) -> dict:
     trainer's parameter_audit.json). DTensor shards count with their global size; a tied embedding and head
     count once (as the embedding). Under pipeline parallel (``pp_group``; call it on every rank) the counts of all
     stages are summed, the last stage's copy of a tied head not counted."""
-    seen = {id(p) for p in getattr(model, "tied_copies", list)()}
+    from titan_sft.parallel.distributed import unwrapped_name
+
+    tied = {id(p) for p in getattr(model, "tied_copies", list)()}
+    seen = set(tied)
     by_type: dict[str, dict[str, int]] = {}
     for module in model.modules():
         for _, p in module.named_parameters(recurse=False):
@@ -415,17 +437,19 @@ def parameter_audit(model: torch.nn.Module, pp_group=None) -> dict:
             seen.add(id(p))
             entry = by_type.setdefault(type(module).__name__, {"trainable": 0, "frozen": 0})
             entry["trainable" if p.requires_grad else "frozen"] += p.numel()
+    names = {unwrapped_name(n) for n, p in model.named_parameters() if p.requires_grad and id(p) not in tied}
     if pp_group is not None:
         parts = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(parts, by_type, group=pp_group)
-        by_type = {}
-        for part in parts:
+        dist.all_gather_object(parts, (by_type, names), group=pp_group)
+        by_type, names = {}, set()
+        for part, part_names in parts:
+            names |= part_names
             for name, counts in part.items():
                 entry = by_type.setdefault(name, {"trainable": 0, "frozen": 0})
                 for k in entry:
                     entry[k] += counts[k]
     totals = {k: sum(e[k] for e in by_type.values()) for k in ("trainable", "frozen")}
-    return {**totals, "by_module_type": dict(sorted(by_type.items()))}
+    return {**totals, "by_module_type": dict(sorted(by_type.items())), "trainable_names": sorted(names)}
 
 
 def parse_cli(argv: list[str]) -> tuple[str | None, bool, list[str]]:
