@@ -28,6 +28,7 @@ from titan_sft.checkpoint import model_state, read_meta
 from titan_sft.config import ConfigError, JobConfig, _set
 from titan_sft.hf_io import export_hf, model_args, read_hf_config
 from titan_sft.models import build_model, load_hf
+from titan_sft.models.hf_adapter import text_config
 from titan_sft.registry import get_train_spec, spec_for_hf_model_type
 
 
@@ -127,7 +128,7 @@ def to_hf(checkpoint: str, out: str, dtype: str = "bfloat16", tokenizer: str | N
 def from_hf(hf: str, out: str, model_name: str | None = None, flavor: str | None = None) -> Path:
     """HF directory -> weights-only DCP checkpoint (atomic) that a run can start from."""
     hf_cfg = read_hf_config(hf)
-    spec = get_train_spec(model_name) if model_name else spec_for_hf_model_type(hf_cfg.get("model_type"))
+    spec = get_train_spec(model_name) if model_name else spec_for_hf_model_type(text_config(hf_cfg).get("model_type"))
     model = load_hf(hf)
     if flavor is not None:
         want = spec.flavors.get(flavor)

@@ -24,9 +24,11 @@ import torch
 
 from titan_sft.atomic import finalize, partial_dir, rank
 from titan_sft.constants import DTYPES
-from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, args_from_hf_config, expert_hf_names, fused_slot,
-                                         hf_config_from_args, native_to_hf_name, routing_bias_layer)
-from titan_sft.models.hf_checkpoint import read_config, read_routing_bias, safetensors_files, tensor_shapes
+from titan_sft.models.hf_adapter import (ROUTING_BIAS_FILE, args_from_hf_config, expert_hf_names, fuse_experts,
+                                         fused_slot, hf_config_from_args, native_to_hf_name, routing_bias_layer,
+                                         text_config)
+from titan_sft.models.hf_checkpoint import (HFTensors, check_expert_shapes, index_hf_tensors, read_config,
+                                            read_expert_rows, read_routing_bias, safetensors_files, tensor_shapes)
 from titan_sft.models.transformer import TransformerArgs
 from titan_sft.registry import TrainSpec
 
@@ -87,7 +89,7 @@ def model_args(model_cfg, spec: TrainSpec) -> TransformerArgs:
 
     if model_cfg.init_from_hf:
         hf_cfg = read_hf_config(model_cfg.hf_assets_path)
-        if hf_cfg.get("model_type") != spec.hf_model_type:
+        if text_config(hf_cfg).get("model_type") != spec.hf_model_type:  # a multimodal one: its language model's
             raise ConfigError(
                 f"config key 'model.name': '{spec.name}' reads HF model_type '{spec.hf_model_type}', but "
                 f"{model_cfg.hf_assets_path}/config.json has '{hf_cfg.get('model_type')}'"
@@ -169,24 +171,27 @@ def _read_hf(state: dict, args: TransformerArgs, path, spec: TrainSpec, pg) -> d
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     adapter = spec.state_dict_adapter(args)
+    index = index_hf_tensors(resolve_hf_dir(path))
     # Stacked experts are read apart: each rank copies the experts of its own shard from the per-expert tensors.
     experts = {k: state.pop(k) for k in list(state) if expert_hf_names(k, args.n_experts)}
     # Row blocks of one HF tensor (Gated DeltaNet's q/k/v) likewise: each rank reads the rows of its own shard.
     fused = {k: state.pop(k) for k in list(state) if fused_slot(k, args)}
     hf_state = adapter.to_hf(state)
-    shapes = hf_tensor_shapes(path)
     for name, tensor in hf_state.items():
-        if name not in shapes:
-            raise ValueError(f"{path}: the checkpoint lacks tensor '{name}'")
-        if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"{path}: tensor '{name}' has shape {shapes[name]}, the model expects {tuple(tensor.shape)}")
-    if hf_state:
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(resolve_hf_dir(path))), process_group=pg,
+        if name not in index.shapes:
+            raise ValueError(f"{path}: the checkpoint lacks tensor '{index.stored_name(name)}'")
+        if tuple(tensor.shape) != index.shapes[name]:
+            raise ValueError(f"{path}: tensor '{index.stored[name]}' has shape {index.shapes[name]}, the model "
+                             f"expects {tuple(tensor.shape)}")
+    if hf_state:  # DCP reads by the names in the files (a multimodal checkpoint nests them)
+        stored = {index.stored[k]: v for k, v in hf_state.items()}
+        dcp.load(stored, storage_reader=HuggingFaceStorageReader(str(index.path)), process_group=pg,
                  no_dist=pg is None)
+        hf_state = {k: stored[index.stored[k]] for k in hf_state}
     if experts:
-        _load_expert_shards(experts, args, path, shapes)
+        _load_expert_shards(experts, args, index)
     if fused:
-        _load_fused_rows(fused, args, path, shapes)
+        _load_fused_rows(fused, args, index)
     return adapter.from_hf(hf_state) if hf_state else {}
 
 
@@ -202,64 +207,36 @@ def _local_part(param):
     return param, tuple(param.shape), (0,) * param.ndim
 
 
-def _load_fused_rows(fused: dict, args: TransformerArgs, path, shapes: dict) -> None:
+def _load_fused_rows(fused: dict, args: TransformerArgs, index: HFTensors) -> None:
     """Copies each rank's part of the native tensors that are row blocks of one HF tensor (``fused_slot``)."""
-    from safetensors import safe_open
-
-    where = {}
-    for file in hf_safetensors_files(resolve_hf_dir(path)):
-        with safe_open(str(file), framework="pt") as f:
-            where.update({k: file for k in f.keys()})
     with torch.no_grad():
         for name, param in fused.items():
             hf, start, rows = fused_slot(name, args)
-            if hf not in where:
-                raise ValueError(f"{path}: the checkpoint lacks tensor '{hf}'")
-            if shapes[hf][0] < start + rows or shapes[hf][1:] != tuple(param.shape[1:]):
-                raise ValueError(f"{path}: tensor '{hf}' has shape {shapes[hf]}, the model expects rows "
-                                 f"{start}:{start + rows} of shape {tuple(param.shape)}")
+            if hf not in index.shapes:
+                raise ValueError(f"{index.path}: the checkpoint lacks tensor '{index.stored_name(hf)}'")
+            if index.shapes[hf][0] < start + rows or index.shapes[hf][1:] != tuple(param.shape[1:]):
+                raise ValueError(f"{index.path}: tensor '{index.stored[hf]}' has shape {index.shapes[hf]}, the "
+                                 f"model expects rows {start}:{start + rows} of shape {tuple(param.shape)}")
             local, shape, offset = _local_part(param)
             if local.numel() == 0:
                 continue
-            index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-            index = (slice(start + offset[0], start + offset[0] + shape[0]),) + index[1:]
-            with safe_open(str(where[hf]), framework="pt") as f:
-                local.copy_(f.get_slice(hf)[index])
+            part = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            local.copy_(index.read(hf, (slice(start + offset[0], start + offset[0] + shape[0]),) + part[1:]))
 
 
-def _load_expert_shards(experts: dict, args: TransformerArgs, path, shapes: dict) -> None:
+def _load_expert_shards(experts: dict, args: TransformerArgs, index: HFTensors) -> None:
     """Copies each rank's rows of the stacked expert tensors (whole experts, or slices of them, as the layout
-    shards them) from the checkpoint's per-expert tensors; no rank reads experts it does not hold."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
-
-    from titan_sft.compat import local_shape_and_offset
-
-    where = {}
-    for file in hf_safetensors_files(resolve_hf_dir(path)):
-        with safe_open(str(file), framework="pt") as f:
-            where.update({k: file for k in f.keys()})
+    shards them) from the checkpoint's per-expert or fused expert tensors; no rank reads experts it does not
+    hold."""
     with torch.no_grad():
         for name, param in experts.items():
-            names = expert_hf_names(name, args.n_experts)
-            for hf in names:
-                if hf not in where:
-                    raise ValueError(f"{path}: the checkpoint lacks tensor '{hf}'")
-                if shapes[hf] != tuple(param.shape[1:]):
-                    raise ValueError(f"{path}: tensor '{hf}' has shape {shapes[hf]}, the model expects "
-                                     f"{tuple(param.shape[1:])}")
-            if isinstance(param, DTensor):
-                local = param.to_local()
-                shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
-            else:
-                local, shape, offset = param, tuple(param.shape), (0,) * param.ndim
+            check_expert_shapes(index, name, tuple(param.shape), args.n_experts)
+            local, shape, offset = _local_part(param)
             if local.numel() == 0:
                 continue
-            for e in range(shape[0]):
-                hf = names[offset[0] + e]
-                with safe_open(str(where[hf]), framework="pt") as f:
-                    rows = f.get_slice(hf)[offset[1] : offset[1] + shape[1], offset[2] : offset[2] + shape[2]]
-                local[e].copy_(rows)
+            local.copy_(read_expert_rows(index, name, args.n_experts, range(offset[0], offset[0] + shape[0]),
+                                         slice(offset[1], offset[1] + shape[1]),
+                                         slice(offset[2], offset[2] + shape[2])))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -292,6 +269,7 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
                                                                                         cpu_offload=True))
     if rank() == 0:
         tdtype = DTYPES[dtype]
+        base = base_layout(base_model)
         full = _unquantized(full, args, spec, base_model)
         if lora is not None:
             from titan_sft.lora import lora_scaling, merge_lora, save_peft_adapter
@@ -301,13 +279,15 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
                 tmp_adapter = adapter_dir.with_name(adapter_dir.name + ".partial")
                 shutil.rmtree(tmp_adapter, ignore_errors=True)
                 save_peft_adapter({k: v.to(tdtype) for k, v in full.items()}, lora, tmp_adapter, base_model,
-                                  lora.train_norms, native_to_hf_name)
+                                  lora.train_norms, native_to_hf_name, base.stored_name if base else None)
                 if objective:
                     (tmp_adapter / "objective.json").write_text(json.dumps(objective, indent=2) + "\n")
                 shutil.rmtree(adapter_dir, ignore_errors=True)
                 tmp_adapter.rename(adapter_dir)
             full = merge_lora(full, lora_scaling(lora))
         hf_sd = {k: v.to(tdtype).contiguous() for k, v in spec.state_dict_adapter(args).to_hf(full).items()}
+        if base is not None:
+            hf_sd = _in_base_layout(hf_sd, args, base)
         _write_safetensors(hf_sd, tmp, int(max_shard_gb * 1e9), save_file)
         biases = {routing_bias_layer(k): v for k, v in full.items() if routing_bias_layer(k) is not None}
         if biases:  # fp32 values as JSON numbers (exact: every fp32 is a double)
@@ -321,7 +301,12 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
 
         config = hf_config_from_args(args, spec.hf_model_type, spec.hf_architecture, tdtype)
         config["transformers_version"] = transformers.__version__
+        if base is not None and base.multimodal:
+            config = _multimodal_config(read_config(base.path), config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for name in PROCESSOR_FILES if base is not None else ():  # a multimodal base's image/video processors
+            if (base.path / name).is_file():
+                shutil.copy2(base.path / name, tmp / name)
         if objective:
             (tmp / "objective.json").write_text(json.dumps(objective, indent=2) + "\n")
         tokenizer = save_padded_tokenizer(tokenizer_dir, tmp, args.vocab_size) if tokenizer_dir else None
@@ -329,6 +314,59 @@ def export_hf(model, args: TransformerArgs, out_dir: str | Path, dtype: str = "b
             (tmp / "generation_config.json").write_text(json.dumps(build_generation_config(config, tokenizer), indent=2))
     finalize(tmp, out_dir)
     return out_dir
+
+
+# A multimodal model's processor files besides the tokenizer's: an export of a run that started from such a
+# model carries them, so the directory stays the whole model that transformers and vLLM load.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json")
+
+
+def base_layout(base_model: str | None) -> HFTensors | None:
+    """The tensor index of the HF directory a run started from, which an export follows (a multimodal base's
+    nesting, fused experts, carried vision tower and mtp tensors); None without one, or when it is gone (the
+    export is then text-only, which is said)."""
+    if base_model is None:
+        return None
+    try:
+        return index_hf_tensors(resolve_hf_dir(base_model))
+    except FileNotFoundError as e:
+        from titan_sft.log import logger
+
+        logger.warning(f"[export] the base model is not readable ({e}); the export holds the language model only, "
+                       "in the text-only layout")
+        return None
+
+
+def _in_base_layout(hf_sd: dict, args: TransformerArgs, base: HFTensors) -> dict:
+    """The export's tensors in the base directory's layout: fused experts if it stores them fused, the
+    multimodal nesting, and the tensors a text run does not train (vision tower, mtp) copied unchanged."""
+    if base.fused_experts:
+        hf_sd = fuse_experts(hf_sd, args.n_experts)
+    out = {base.stored_name(k): v for k, v in hf_sd.items()}
+    if base.carried:
+        from safetensors import safe_open
+
+        from titan_sft.log import logger
+
+        for name, file in base.carried.items():
+            with safe_open(str(file), framework="pt") as f:
+                out[name] = f.get_tensor(name)
+        what = sorted({n.split(".")[0] if n.startswith("mtp.") else "vision tower" for n in base.carried})
+        logger.info(f"[export] {len(base.carried)} tensors of the base not trained by this run ({', '.join(what)}) "
+                    "copied unchanged")
+    return out
+
+
+def _multimodal_config(base: dict, text: dict) -> dict:
+    """A multimodal base's config.json with the exported language model's config as its ``text_config``."""
+    version = text.get("transformers_version", base.get("transformers_version"))
+    text = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")}
+    out = {**base, "text_config": {**base["text_config"], **text}, "transformers_version": version}
+    for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
+        if key in base:
+            out[key] = text[key]
+    return out
 
 
 def _unquantized(full: dict, args: TransformerArgs, spec: TrainSpec, base_model: str | None) -> dict:
@@ -439,9 +477,11 @@ class HFExporter:
         (``titan_sft.lora.save_adapter``). Every rank calls."""
         from titan_sft.lora import save_adapter
 
+        base = base_layout(self.base_model)
         return save_adapter(model, out_dir, self.lora, native_to_hf=native_to_hf_name, dtype=DTYPES[self.dtype],
                             base_model=self.base_model, tokenizer_dir=self.tokenizer_dir,
-                            initial_norms=self.initial_norms, objective=self.objective)
+                            initial_norms=self.initial_norms, objective=self.objective,
+                            stored_name=base.stored_name if base else None)
 
     def __call__(self, model, out_dir: str | Path) -> Path:
         out_dir = Path(out_dir)

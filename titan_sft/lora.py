@@ -356,10 +356,12 @@ def lora_scale(cfg: JobConfig) -> float | None:
 
 
 def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | Path, base_model: str | None,
-                      train_norms: bool, native_to_hf) -> Path:
+                      train_norms: bool, native_to_hf, stored_name=None) -> Path:
     """Writes ``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT saves them (run on one rank, with
     a full state dict). The trained norm weights go in as ``modules_to_save``, so ``PeftModel.from_pretrained``
-    restores them with the adapters."""
+    restores them with the adapters. ``stored_name`` maps a text-only module path to the base's (a multimodal
+    base nests the language model: ``model.language_model.layers...``); with it, ``modules_to_save`` names whole
+    module paths, since a suffix such as ``norm`` would also take in the vision tower's norms."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -379,7 +381,7 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
         elif train_norms and "norm" in name:
             hf = native_to_hf(name)
             tensors[f"base_model.model.{hf}"] = t.contiguous()
-            norm_modules.add(hf.split(".")[-2])
+            norm_modules.add(hf.split(".")[-2] if stored_name is None else stored_name(hf).rsplit(".", 1)[0])
     for prefix, parts in qkv.items():
         # q, k and v adapters as one on the fused projection: A stacked [3r, in], B block-diagonal [q+k+v, 3r];
         # rank 3r with alpha 3 * alpha keeps the scale alpha / r, so PEFT's update is exactly the three updates.
@@ -417,6 +419,8 @@ def save_peft_adapter(state: dict[str, torch.Tensor], lo: Lora, out_dir: str | P
                 (math.sqrt(2) if lo.use_rslora else 2) * lo.alpha)
         save_file(experts, str(out_dir / EXPERT_ADAPTERS_FILE), metadata={"format": "pt", "scale": str(lora_scaling(lo))})
         config["titan_sft_expert_adapters"] = EXPERT_ADAPTERS_FILE
+    if stored_name is not None:
+        tensors = {f"base_model.model.{stored_name(k.removeprefix('base_model.model.'))}": v for k, v in tensors.items()}
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     linear = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in tensors
               if ".lora_" in k and ".mlp.experts." not in k}
@@ -498,7 +502,8 @@ def trainable_full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_adapter(model: nn.Module, out_dir: str | Path, lo: Lora, *, native_to_hf, dtype: torch.dtype,
                  base_model: str | None = None, tokenizer_dir: str | None = None,
-                 initial_norms: dict[str, torch.Tensor] | None = None, objective: dict | None = None) -> Path:
+                 initial_norms: dict[str, torch.Tensor] | None = None, objective: dict | None = None,
+                 stored_name=None) -> Path:
     """A servable adapter directory, written atomically (``*.partial``, then renamed): the PEFT adapter
     (:func:`save_peft_adapter`: trained norms as ``modules_to_save``), the tokenizer files, the norms' values
     before training (``initial_norms.safetensors``, HF names: what base-model scoring needs), and the objective
@@ -515,9 +520,10 @@ def save_adapter(model: nn.Module, out_dir: str | Path, lo: Lora, *, native_to_h
         tmp = out_dir.with_name(out_dir.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         save_peft_adapter({k: v.to(dtype) for k, v in state.items()}, lo, tmp, base_model, lo.train_norms,
-                          native_to_hf)
+                          native_to_hf, stored_name)
         if initial_norms:
-            save_file({native_to_hf(k): v.to(dtype).contiguous() for k, v in initial_norms.items()},
+            named = stored_name or (lambda n: n)
+            save_file({named(native_to_hf(k)): v.to(dtype).contiguous() for k, v in initial_norms.items()},
                       str(tmp / "initial_norms.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir:
             from transformers import AutoTokenizer
@@ -537,13 +543,13 @@ def read_peft_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Te
     ``lora_A``/``lora_B`` become ``lora_a``/``lora_b``, modules_to_save weights (norms) their native names."""
     from safetensors.torch import load_file
 
-    from titan_sft.models.hf_adapter import hf_to_native_name
+    from titan_sft.models.hf_adapter import hf_to_native_name, text_tensor_name
 
     d = Path(adapter_dir)
     conf = json.loads((d / "adapter_config.json").read_text())
     state = {}
     for name, t in load_file(str(d / "adapter_model.safetensors")).items():
-        hf = name.removeprefix("base_model.model.")
+        hf = text_tensor_name(name.removeprefix("base_model.model."))  # also an adapter of a multimodal base
         if ".mlp.experts." in hf and conf.get("titan_sft_expert_adapters"):
             continue  # PEFT's layout of the experts' adapters: titan_sft's own factors are read below
         for kind, native in ((".lora_A.weight", "lora_a"), (".lora_B.weight", "lora_b"),
@@ -594,11 +600,12 @@ def read_reference_norms(path: Path) -> dict[str, torch.Tensor]:
     """A reference norms file by native name. Its keys may be the PEFT model's parameter names
     (``base_model.model.model.layers.0.input_layernorm.weight``), a ``module.``-prefixed copy of them, or HF names."""
     from titan_sft.config import ConfigError
-    from titan_sft.models.hf_adapter import hf_to_native_name
+    from titan_sft.models.hf_adapter import hf_to_native_name, text_tensor_name
 
     out = {}
     for key, t in torch.load(path, map_location="cpu", weights_only=True).items():
-        hf = key.removeprefix("module.").removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+        hf = text_tensor_name(key.removeprefix("module.").removeprefix("base_model.model.")
+                              .replace(".modules_to_save.default", ""))
         try:
             native = hf_to_native_name(hf)
         except KeyError:

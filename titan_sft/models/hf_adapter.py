@@ -122,6 +122,57 @@ def hf_to_native_name(name: str) -> str:
     raise KeyError(f"unknown HF tensor '{name}'")
 
 
+# Fused expert tensors (Qwen3.5-MoE's released checkpoints, and transformers' in-memory layout): one
+# ``mlp.experts.gate_up_proj`` [E, 2I, D] (gate rows, then up rows) and one ``mlp.experts.down_proj`` [E, D, I] per
+# layer instead of one tensor per expert. Native stacked name -> (HF suffix, row half of gate_up_proj or None).
+FUSED_EXPERTS = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
+_HF_FUSED_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def fused_expert_source(native_name: str) -> tuple[str, int | None] | None:
+    """(HF fused tensor, row half) holding a native stacked expert tensor in a fused-experts checkpoint."""
+    m = _NATIVE_EXPERT.match(native_name)
+    if not m:
+        return None
+    suffix, half = FUSED_EXPERTS[m.group(2)]
+    return f"model.layers.{m.group(1)}.mlp.experts.{suffix}", half
+
+
+def is_fused_expert_name(hf_name: str) -> bool:
+    return _HF_FUSED_EXPERT.match(hf_name) is not None
+
+
+def fuse_experts(hf_sd: dict[str, Any], n_experts: int) -> dict[str, Any]:
+    """``hf_sd`` with its per-expert tensors replaced by the fused ``gate_up_proj``/``down_proj`` of each layer."""
+    out, layers = {}, {}
+    for name, tensor in hf_sd.items():
+        m = _HF_EXPERT.match(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            layers.setdefault(int(m.group(1)), {})[(m.group(3), int(m.group(2)))] = tensor
+    for layer, parts in sorted(layers.items()):
+        stack = {p: torch.stack([parts[(p, e)] for e in range(n_experts)]) for p in EXPERT_MAP.values()}
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], 1)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = stack["down_proj"]
+    return out
+
+
+# A multimodal checkpoint (``Qwen3_5ForConditionalGeneration``) nests the language model under this prefix
+# (``model.language_model.layers.0...``; ``lm_head.weight`` stays at the top).
+MULTIMODAL_PREFIX = "model.language_model."
+
+
+def text_tensor_name(name: str) -> str:
+    """A tensor's name in a text-only checkpoint: a multimodal checkpoint's language-model names lose their nesting."""
+    return "model." + name[len(MULTIMODAL_PREFIX):] if name.startswith(MULTIMODAL_PREFIX) else name
+
+
+def multimodal_tensor_name(name: str) -> str:
+    """The inverse of ``text_tensor_name`` for a multimodal checkpoint."""
+    return MULTIMODAL_PREFIX + name[len("model."):] if name.startswith("model.") else name
+
+
 def expert_slot(hf_name: str) -> tuple[str, int] | None:
     """(native stacked name, expert index) of an HF per-expert tensor name; None for any other name."""
     m = _HF_EXPERT.match(hf_name)
@@ -276,9 +327,13 @@ MULTIMODAL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a config.json: itself, or a multimodal checkpoint's ``text_config`` (with
-    the model_type its weights are read as)."""
+    the model_type its weights are read as, and the top level's ``tie_word_embeddings``: transformers ties the
+    multimodal model's head by that one)."""
     if cfg.get("model_type") in MULTIMODAL_TYPES:
-        return {"model_type": MULTIMODAL_TYPES[cfg["model_type"]], **cfg["text_config"]}
+        text = {**cfg["text_config"], "model_type": MULTIMODAL_TYPES[cfg["model_type"]]}
+        if "tie_word_embeddings" in cfg:
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        return text
     return cfg
 
 
