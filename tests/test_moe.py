@@ -302,13 +302,24 @@ def test_impossible_expert_parallel_layouts_fail_with_one_line():
 @pytest.mark.parametrize("layout", ["fsdp2", "ep2"])
 def test_training_from_an_hf_moe_directory_matches_one_rank(tmp_path, layout):
     """Training starts from an HF qwen3_moe directory (under FSDP 2 or EP 2 each rank reads only the experts it
-    holds); losses, grad norms and the aux loss of 3 steps equal one rank's within 1e-5."""
+    holds); losses, grad norms and the aux loss of 3 steps equal one rank's within 1e-5. Under EP 2 the ranks read
+    a copy with the experts stored fused (``gate_up_proj``/``down_proj``, as Qwen3.5-MoE's checkpoints hold them),
+    one rank the per-expert original."""
+    from safetensors.torch import save_file
+
+    from titan_sft.models.hf_adapter import fuse_experts
+
     hf = tmp_path / "hf"
     _hf_moe(hf, vocab=512, mlp_only_layers=[0])
     for f in (ROOT / "titan_sft/assets/debug_tokenizer").iterdir():
         shutil.copy(f, hf / f.name)
     start = ["--model.hf_assets_path", str(hf), "--model.init_from_hf", "true"]
     one = _train(1, tmp_path / "one", *start)
+    if layout == "ep2":
+        shutil.copytree(hf, tmp_path / "fused")
+        (tmp_path / "fused" / "model.safetensors").unlink()
+        save_file(fuse_experts(_safetensors(hf), 8), str(tmp_path / "fused" / "model.safetensors"))
+        start = ["--model.hf_assets_path", str(tmp_path / "fused"), "--model.init_from_hf", "true"]
     two = _train(2, tmp_path / "two", *start, *(["--parallelism.ep", "2"] if layout == "ep2" else []))
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(two, one):

@@ -39,7 +39,8 @@ from titan_sft.registry import TrainSpec
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What an HF model directory needs from the hub (titan_sft.download, and the cache lookup below).
 HF_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-            "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "*.jinja"]
+            "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.model", "*.jinja",
+            "*preprocessor_config.json", "processor_config.json", "chat_template.json"]  # a multimodal model's
 
 
 def resolve_hf_dir(path_or_id: str | Path) -> Path:
