@@ -238,13 +238,17 @@ def _train(nproc, dump, config, *overrides, steps=3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,layouts", [
-    ("debug_qwen3_5", {"fsdp2_tp2": (4, "--parallelism.tp", "2")}),
-    ("debug_qwen3_5_moe", {"ep2_tp2": (4, "--parallelism.ep", "2", "--parallelism.tp", "2")}),
+    ("debug_qwen3_5", {"fsdp2_tp2": (4, "--parallelism.tp", "2"), "cp2": (2, "--parallelism.cp", "2")}),
+    ("debug_qwen3_5_moe", {"ep2_tp2": (4, "--parallelism.ep", "2", "--parallelism.tp", "2"),
+                           "cp2": (2, "--parallelism.cp", "2")}),
 ])
 def test_layouts_equal_one_rank(tmp_path, config, layouts):
     """The hybrid decoder (tied, weight decay 0.01) under FSDP 2 x TP 2 (linear-attention heads, conv channels and
-    decay rates sharded; the gated norm's weight gradient summed over tp) and, for the MoE, EP 2 x TP 2 (the shared expert trained on each tp rank's tokens like the router): losses, grad
-    norms (and aux losses) of 3 steps within 1e-5 of one rank. Measured: losses equal to 1e-7, grad norms to
+    decay rates sharded; the gated norm's weight gradient summed over tp), CP 2 (Ulysses: the linear-attention
+    layers on whole rows of one key head each, packed documents crossing the shard boundary) and, for the MoE,
+    EP 2 x TP 2 (the shared expert trained on each tp rank's tokens like the router): losses, grad
+    norms (and aux losses) of 3 steps within 1e-5 of one rank. Measured for cp 2: losses within 1e-7, grad norms
+    2.8e-6 relative. Measured: losses equal to 1e-7, grad norms to
     3e-6 relative. PP 2 (stages of mixed layer kinds), dense and MoE, and the MoE at TP 2 alone were measured
     equal the same way on 2026-12-07 and are not repeated here (CI time)."""
     one = _train(1, tmp_path / "one", config)
@@ -284,8 +288,11 @@ def test_layout_checks_for_linear_attention():
 
     with pytest.raises(ConfigError, match=r"'parallelism.tp': 4 must divide the linear-attention key heads \(2\)"):
         check_tensor_parallel(4, 4, 4, 256, linear_k_heads=2)
-    with pytest.raises(ConfigError, match="context parallel does not shard this model's 3 linear-attention"):
-        check_context_parallel(2, "ulysses", 1, 4, 2, 256, "sdpa", linear_layers=3)
+    with pytest.raises(ConfigError, match=r"'parallelism.cp_mode': 'ring' does not shard this model's 3 linear"):
+        check_context_parallel(2, "ring", 1, 4, 2, 256, "sdpa", linear_layers=3, linear_k_heads=2)
+    with pytest.raises(ConfigError, match="whole key heads of the linear-attention layers, but there are 1 per tp"):
+        check_context_parallel(2, "ulysses", 2, 8, 2, 256, "sdpa", linear_layers=3, linear_k_heads=2)
+    check_context_parallel(2, "ulysses", 1, 4, 2, 256, "sdpa", linear_layers=3, linear_k_heads=2)
 
 
 @pytest.mark.parametrize("variant", ["lora", "dora_rslora"])

@@ -144,6 +144,11 @@ class AttentionBackend:
         """RoPE positions [1, seqlen] of rows given without positions: 0..seqlen-1 (broadcast over rows)."""
         return torch.arange(seqlen, device=device).unsqueeze(0)
 
+    def row_length(self, seqlen: int) -> int:
+        """The length of the rows ``cu_seqlens`` covers for a forward over ``seqlen`` tokens per row (context
+        parallel's Ulysses: the unsharded row's)."""
+        return seqlen
+
     def prepare(self, batch: int, seqlen: int, device: torch.device, cu_seqlens: torch.Tensor | None,
                 dtype: torch.dtype | None = None) -> AttentionMask:
         """Builds the mask for a forward over ``[batch, seqlen]`` tokens (``cu_seqlens`` over the flattened rows).

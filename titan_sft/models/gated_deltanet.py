@@ -226,24 +226,37 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(n_v_heads))
         self.norm = GatedRMSNorm(v_head_dim, eps)
         self.out_proj = nn.Linear(value_dim, dim, bias=False)
+        # Context parallel (Ulysses) sets the exchange: ``scatter_heads`` [B, Tl, H, D] -> [B, T, H / cp, D] (whole
+        # rows of this rank's heads), ``gather_heads`` its inverse, ``rank``/``size``, ``active``.
+        self.cp = None
 
     def forward(self, x: torch.Tensor, position: torch.Tensor | None, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         """x: [B, T, dim] -> [B, T, dim]. ``position`` [B, T]: index within the document (None: whole rows);
         ``cu_seqlens``: the documents over the flattened rows (None: one per row). Under tensor parallel the
         projections give this rank's heads, and every per-head parameter is its local part."""
         b, t, _ = x.shape
-        q = causal_depthwise_conv(self.in_proj_q(x), _local(self.conv_q), position)
-        k = causal_depthwise_conv(self.in_proj_k(x), _local(self.conv_k), position)
-        v = causal_depthwise_conv(self.in_proj_v(x), _local(self.conv_v), position)
-        q = l2_normalize(q.view(b, t, -1, self.k_head_dim).float())
-        k = l2_normalize(k.view(b, t, -1, self.k_head_dim).float())
-        v = v.view(b, t, -1, self.v_head_dim)
+        q = self.in_proj_q(x).view(b, t, -1, self.k_head_dim)
+        k = self.in_proj_k(x).view(b, t, -1, self.k_head_dim)
+        v = self.in_proj_v(x).view(b, t, -1, self.v_head_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + _local(self.dt_bias))
+        convs = [_local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
+        cp = self.cp if self.cp is not None and self.cp.active else None
+        if cp is not None:
+            # Ulysses: whole rows of this rank's key heads with their value heads (the next cp rank's heads are the
+            # next block), before the conv, so the conv window and the recurrence see the whole row; ``position``
+            # and ``cu_seqlens`` are the unsharded rows'. g and beta travel with their value heads.
+            q, k, v = (cp.scatter_heads(y) for y in (q, k, v))
+            g, beta = (cp.scatter_heads(y.unsqueeze(-1)).squeeze(-1) for y in (g, beta))
+            convs = [w.chunk(cp.size)[cp.rank] for w in convs]  # the channels of this rank's heads
+        q, k, v = (causal_depthwise_conv(y.flatten(2), w, position).reshape(y.shape) for y, w in zip((q, k, v), convs))
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())
         group = v.shape[2] // q.shape[2]  # value heads per key head (consecutive)
         if group > 1:
             q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + _local(self.dt_bias))
         o = gated_delta_rule(q, k, v, g, beta, cu_seqlens).to(x.dtype)
+        if cp is not None:
+            o = cp.gather_heads(o)
         z = self.in_proj_z(x).view(b, t, -1, self.v_head_dim)
         o = self.norm(o, z)
         return self.out_proj(o.reshape(b, t, -1))

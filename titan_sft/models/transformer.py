@@ -409,8 +409,8 @@ class Transformer(nn.Module):
                                 rope_attention_factor(self.args))
         mask = self.backend.prepare(b, t, input_ids.device, cu_seqlens, h.dtype)
         if self.has_linear and mask.cu_seqlens is not None:  # Gated DeltaNet: where each document starts
-            cu = mask.cu_seqlens.long()
-            mask.doc_position = (torch.arange(b * t, device=cu.device) - cu[:-1][segment_ids(cu, b * t)]).view(b, t)
+            cu, n = mask.cu_seqlens.long(), b * self.backend.row_length(t)
+            mask.doc_position = (torch.arange(n, device=cu.device) - cu[:-1][segment_ids(cu, n)]).view(b, -1)
         stats = []
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)

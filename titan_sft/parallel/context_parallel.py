@@ -24,6 +24,11 @@ sees the whole row through one of two exchanges (``parallelism.cp_mode``):
 RoPE positions are those of the unsharded row (taken from the microbatch, or by default the shard's own
 positions ``0..T-1``); ``cu_seqlens`` is always the unsharded row's. Attention is the only layer that knows about
 cp: :func:`apply_context_parallel` swaps the model's attention backend for a :class:`ContextParallelAttention`.
+Gated DeltaNet (Qwen3.5's linear attention) takes the Ulysses exchange too: its projections run on the rank's
+positions, then q/k/v (before the causal conv), the decay and the write strength move to whole rows of the rank's
+key heads with their value heads, the conv and the recurrence run there (document boundaries from the unsharded
+``cu_seqlens``), and the output moves back before the gated norm. Ring would need the recurrent state passed from
+rank to rank and is refused for these layers.
 Generation and other calls on rows that are not a training microbatch run under :func:`full_sequence`, where
 every cp rank runs the whole row (the cp ranks hold the same data).
 """
@@ -107,6 +112,28 @@ class ContextParallelAttention:
     @causal.setter
     def causal(self, value: bool) -> None:
         self.inner.causal = value
+
+    def row_length(self, seqlen: int) -> int:
+        if self.active and self.mode == "ulysses":  # the mask covers the unsharded rows
+            return seqlen * self.shard.size
+        return seqlen
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def scatter_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Tl, H, D] (all heads, this rank's positions) -> [B, T, H / cp, D] (this rank's block of heads, whole
+        rows): the exchange that moves a Gated DeltaNet layer to whole rows before its conv (Ulysses)."""
+        return self._seq_to_heads(x.transpose(1, 2)).transpose(1, 2)
+
+    def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H / cp, D] -> [B, Tl, H, D]: the inverse of :meth:`scatter_heads`."""
+        return self._heads_to_seq(x.transpose(1, 2)).transpose(1, 2)
 
     def default_positions(self, seqlen: int, device) -> torch.Tensor:
         """RoPE positions [1, Tl] of this rank's part of rows numbered 0..T-1."""
@@ -193,12 +220,18 @@ class ContextParallelAttention:
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, mode: str) -> SequenceShard:
     """Gives ``model`` (the shared decoder: ``model.backend`` and every attention module's ``backend``) one
-    :class:`ContextParallelAttention` over ``cp_mesh``; returns this rank's :class:`SequenceShard`."""
+    :class:`ContextParallelAttention` over ``cp_mesh``, and each Gated DeltaNet mixer the same object as its
+    head exchange (Ulysses; ``config.check_context_parallel`` refuses ring for them); returns this rank's
+    :class:`SequenceShard`."""
+    from titan_sft.models.gated_deltanet import GatedDeltaNet
+
     wrapper = ContextParallelAttention(model.backend, cp_mesh, mode)
     model.backend = wrapper
     for m in model.modules():
         if m is not model and isinstance(getattr(m, "backend", None), AttentionBackend):
             m.backend = wrapper
+        if isinstance(m, GatedDeltaNet):
+            m.cp = wrapper
     return wrapper.shard
 
 
