@@ -238,7 +238,9 @@ def _train(nproc, dump, config, *overrides, steps=3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config,layouts", [
-    ("debug_qwen3_5", {"fsdp2_tp2": (4, "--parallelism.tp", "2"), "cp2": (2, "--parallelism.cp", "2")}),
+    ("debug_qwen3_5", {"fsdp2_tp2": (4, "--parallelism.tp", "2"), "cp2": (2, "--parallelism.cp", "2"),
+                       "compile_full_ac": (1, "--training.compile", "true", "--training.activation_checkpoint",
+                                           "full")}),
     ("debug_qwen3_5_moe", {"ep2_tp2": (4, "--parallelism.ep", "2", "--parallelism.tp", "2"),
                            "cp2": (2, "--parallelism.cp", "2")}),
 ])
@@ -246,7 +248,8 @@ def test_layouts_equal_one_rank(tmp_path, config, layouts):
     """The hybrid decoder (tied, weight decay 0.01) under FSDP 2 x TP 2 (linear-attention heads, conv channels and
     decay rates sharded; the gated norm's weight gradient summed over tp), CP 2 (Ulysses: the linear-attention
     layers on whole rows of one key head each, packed documents crossing the shard boundary) and, for the MoE,
-    EP 2 x TP 2 (the shared expert trained on each tp rank's tokens like the router): losses, grad
+    EP 2 x TP 2 (the shared expert trained on each tp rank's tokens like the router), and one rank with per-block
+    compile (the delta rule eager between compiled parts) under full AC: losses, grad
     norms (and aux losses) of 3 steps within 1e-5 of one rank. Measured for cp 2: losses within 1e-7, grad norms
     2.8e-6 relative. Measured: losses equal to 1e-7, grad norms to
     3e-6 relative. PP 2 (stages of mixed layer kinds), dense and MoE, and the MoE at TP 2 alone were measured
@@ -359,3 +362,20 @@ def test_recipe_configs_dry_run(name, world, params, active):
     assert r.returncode == 0, r.stderr
     assert params in r.stdout and (active is None or active in r.stdout)
     assert "memory per rank: parameters" in r.stdout
+
+
+def test_float8_converts_the_linear_attention_projections_but_the_decay_inputs():
+    """float8 (emulated) takes Gated DeltaNet's q/k/v/z/out projections and the gated attention's; in_proj_a and
+    in_proj_b (decay rates, write strengths) stay in high precision, as the head does."""
+    import dataclasses
+
+    from titan_sft.converters import apply_float8
+
+    args = dataclasses.replace(get_train_spec("qwen3_5").flavors["debug"], linear_n_v_heads=16, linear_n_k_heads=16,
+                               linear_k_head_dim=16, linear_v_head_dim=16)
+    with torch.device("meta"):
+        model = build_model(args)
+    converted = set(apply_float8(model, emulate=True))
+    linear = {f"layers.0.attention.{p}" for p in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "out_proj")}
+    assert linear | {"layers.3.attention.wq", "layers.0.feed_forward.w1"} <= converted
+    assert not converted & {"layers.0.attention.in_proj_a", "layers.0.attention.in_proj_b", "output"}

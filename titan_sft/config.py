@@ -151,7 +151,8 @@ class Training:
         "none", "recompute in backward: whole blocks (full), all but matmul/attention outputs (selective, per op), "
                 "or whole blocks, every ac_every_n-th one (every_n)")
     ac_every_n: int = doc(2, "with activation_checkpoint = every_n: checkpoint blocks 0, n, 2n, ...")
-    compile: bool = doc(False, "torch.compile each transformer block (fullgraph: a graph break is an error)")
+    compile: bool = doc(False, "torch.compile each transformer block (fullgraph: a graph break is an error; "
+                                "a Gated DeltaNet block's delta rule runs eagerly between compiled parts)")
     compile_loss: bool = doc(False, "torch.compile the loss's per-chunk softmax/cross-entropy math (fuses its "
                                     "passes over the [chunk, vocab] logits; the head's matmuls are unchanged)")
     float8: bool = doc(False, "float8 matmuls in the blocks (torchao; SM >= 8.9, else bf16; emulated on CPU)")

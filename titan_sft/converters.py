@@ -89,8 +89,11 @@ def apply_float8_experts(model: nn.Module) -> list[str]:
 def float8_module_filter(mod: nn.Module, fqn: str) -> bool:
     """Which linears become float8: those of the transformer blocks whose dims are multiples of 16 (the float8
     matmul's tile); the output head stays in bf16 (its logits feed the loss directly), and so do MoE routers
-    (a rounding of their logits changes which experts a token reaches)."""
+    (a rounding of their logits changes which experts a token reaches) and Gated DeltaNet's ``in_proj_a`` and
+    ``in_proj_b`` (one column per value head: no speed to win, and they set the decay rates and write strengths,
+    whose gradients are the layer's most ill-conditioned)."""
     return (isinstance(mod, nn.Linear) and fqn.startswith("layers.") and ".router." not in fqn
+            and not fqn.endswith((".in_proj_a", ".in_proj_b"))
             and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
 
 

@@ -113,7 +113,6 @@ def document_layout(cu_seqlens: torch.Tensor, total: int, chunk: int = CHUNK):
     return dest, length, reset
 
 
-@torch.compiler.disable  # data-dependent layout (documents' lengths): run eagerly under per-block compile
 def packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The torch delta rule over packed rows [B, T, ...] whose documents ``cu_seqlens`` marks (over B * T): each
     document is computed as if alone (the state restarts at its first token)."""
@@ -147,6 +146,8 @@ def _fla_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     return out.reshape(b, t, *out.shape[2:])
 
 
+@torch.compiler.disable  # eager under per-block compile: the torch path's chunk loop would be unrolled into the
+# graph (and its packed layout is data-dependent); fla's kernels are Triton already
 def gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """Dispatch: fla's kernel on CUDA where installed (one notice where not), else the torch reference."""
     global _FLA_NOTICE

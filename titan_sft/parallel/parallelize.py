@@ -96,13 +96,19 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 2
 
 def apply_compile(model: nn.Module) -> None:
     """Compiles each block separately (identical blocks share one compiled graph, and compile time stays short),
-    with ``fullgraph=True``: a graph break is a bug to fix, not a silent slowdown.
+    with ``fullgraph=True``: a graph break is a bug to fix, not a silent slowdown. The one planned exception: a
+    Gated DeltaNet block (Qwen3.5) breaks around its delta rule, which runs eagerly (``gated_delta_rule``: fla's
+    Triton kernels, or the torch path's chunk loop, which a graph would unroll); the projections, conv, norms and
+    MLP around it compile.
 
     Routed experts have data-dependent sizes (rows per expert, the all-to-all's splits under expert parallel);
     ``capture_scalar_outputs`` lets them into the graph as unbacked symbols, so one graph serves every routing."""
+    from titan_sft.models.gated_deltanet import GatedDeltaNet
+
     allow_unbacked_scalars()
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=True))
+        linear = any(isinstance(m, GatedDeltaNet) for m in block.modules())
+        model.layers.register_module(name, torch.compile(block, fullgraph=not linear))
 
 
 def store_frozen_params(model: nn.Module, dtype: torch.dtype) -> int:
