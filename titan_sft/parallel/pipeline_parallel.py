@@ -476,6 +476,7 @@ def share_attention_backend(stages: list[nn.Module]) -> None:
     the pipelined model's ``backend`` (causal scoring, context parallel's whole-row mode) holds for all its
     stages, as for a whole model's layers."""
     from titan_sft.models.attention import AttentionBackend
+    from titan_sft.models.gated_deltanet import GatedDeltaNet
     from titan_sft.parallel.context_parallel import ContextParallelAttention
 
     backend = stages[0].backend
@@ -483,6 +484,8 @@ def share_attention_backend(stages: list[nn.Module]) -> None:
         for m in stage.modules():
             if isinstance(getattr(m, "backend", None), (AttentionBackend, ContextParallelAttention)):
                 m.backend = backend
+            if isinstance(m, GatedDeltaNet) and m.cp is not None:  # its Ulysses exchange follows whole-row mode too
+                m.cp = backend
 
 
 def stage_tp_plan(plan):
