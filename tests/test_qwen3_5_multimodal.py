@@ -97,7 +97,8 @@ def test_the_language_model_reads_equal_to_transformers_by_both_readers(base):
 
 def test_export_is_the_whole_multimodal_model_and_its_adapter_loads_in_peft(base, tmp_path):
     """An export of a (LoRA-trained) run from the multimodal base: transformers loads it as the multimodal model
-    with no missing or unexpected tensor and its text logits equal titan_sft's (1e-5); the vision tower, the mtp
+    (and AutoModelForCausalLM as its language model) with no missing or unexpected tensor and its text logits equal
+    titan_sft's (1e-5); the vision tower, the mtp
     head and the processor file are the base's bit for bit; experts stay fused; the export reads back bitwise;
     the PEFT adapter (nested names) on the multimodal base gives the same logits, and titan_sft reads it back."""
     from peft import PeftModel
@@ -136,6 +137,12 @@ def test_export_is_the_whole_multimodal_model_and_its_adapter_loads_in_peft(base
         ours = model(x)
         assert (again.eval()(input_ids=x).logits - ours).abs().max().item() < 1e-5
         assert (load_hf(out)(x) - ours).abs().max().item() < 1e-5
+    from transformers import AutoModelForCausalLM  # what evaluate loads: the language model of the export
+
+    text, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert (text.eval()(x).logits - ours).abs().max().item() < 1e-5
     adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert all(k.startswith("base_model.model.model.language_model.") for k in adapter if "lora_" in k)
     peft = PeftModel.from_pretrained(kind.from_pretrained(path, dtype=torch.float32), tmp_path / "adapter").eval()
