@@ -22,9 +22,9 @@ sees the whole row through one of two exchanges (``parallelism.cp_mode``):
   the default. torch's own ``context_parallel`` is not used: it has no document masks for sdpa and no CPU path.
 
 RoPE positions are those of the unsharded row (taken from the microbatch, or by default the shard's own
-positions ``0..T-1``); ``cu_seqlens`` is always the unsharded row's. Attention is the only layer that knows about
-cp: :func:`apply_context_parallel` swaps the model's attention backend for a :class:`ContextParallelAttention`.
-Gated DeltaNet (Qwen3.5's linear attention) takes the Ulysses exchange too: its projections run on the rank's
+positions ``0..T-1``); ``cu_seqlens`` is always the unsharded row's. Only the token mixers know about cp:
+:func:`apply_context_parallel` swaps the model's attention backend for a :class:`ContextParallelAttention`, and
+Gated DeltaNet (Qwen3.5's linear attention) takes the same object's Ulysses exchange: its projections run on the rank's
 positions, then q/k/v (before the causal conv), the decay and the write strength move to whole rows of the rank's
 key heads with their value heads, the conv and the recurrence run there (document boundaries from the unsharded
 ``cu_seqlens``), and the output moves back before the gated norm. Ring would need the recurrent state passed from
@@ -114,6 +114,7 @@ class ContextParallelAttention:
         self.inner.causal = value
 
     def row_length(self, seqlen: int) -> int:
+        """The row length ``cu_seqlens`` covers: the unsharded row's under Ulysses (see ``AttentionBackend``)."""
         if self.active and self.mode == "ulysses":  # the mask covers the unsharded rows
             return seqlen * self.shard.size
         return seqlen
