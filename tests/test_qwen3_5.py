@@ -379,3 +379,42 @@ def test_float8_converts_the_linear_attention_projections_but_the_decay_inputs()
     linear = {f"layers.0.attention.{p}" for p in ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "out_proj")}
     assert linear | {"layers.3.attention.wq", "layers.0.feed_forward.w1"} <= converted
     assert not converted & {"layers.0.attention.in_proj_a", "layers.0.attention.in_proj_b", "output"}
+
+
+def test_masked_diffusion_sees_the_future_through_full_attention_only():
+    """Under masked diffusion (bidirectional attention) a hybrid model's full-attention layers carry the text after
+    a position to it, its Gated DeltaNet layers never do (causal by construction): the objective says so at start-up
+    and refuses a model with no full-attention layer."""
+    import dataclasses
+
+    from titan_sft.config import ConfigError, JobConfig
+    from titan_sft.objectives.masked_diffusion import MaskedDiffusion
+
+    flavor = get_train_spec("qwen3_5").flavors["debug"]
+    tokens = torch.randint(0, 280, (1, 24), generator=torch.Generator().manual_seed(0))
+    later = tokens.clone()
+    later[0, 12:] = (later[0, 12:] + 1) % 280
+
+    def first_half(args):
+        torch.manual_seed(0)
+        model = build_model(args, "cpu")
+        model.init_weights()
+        with torch.no_grad():
+            return model(tokens)[:, :12], model(later)[:, :12]
+
+    hybrid = dataclasses.replace(flavor, causal=False)
+    assert hybrid.linear_layers() and len(hybrid.linear_layers()) < hybrid.n_layers
+    a, b = first_half(hybrid)
+    assert (a - b).abs().max() > 1e-3  # the full-attention layer reads the changed later tokens
+    linear_only = dataclasses.replace(hybrid, layer_types=["linear_attention"] * hybrid.n_layers)
+    a, b = first_half(linear_only)
+    assert torch.equal(a, b)  # no path to later tokens: they change nothing before them, bit for bit
+
+    cfg = JobConfig()
+    cfg.model.name = "qwen3_5"
+    objective = MaskedDiffusion(cfg)
+    (note,) = objective.check_model(hybrid)
+    assert "bidirectional in the 1 full-attention layers (3); the 3 Gated DeltaNet layers (0-2) stay causal" in note
+    assert objective.check_model(get_train_spec("qwen3").flavors["debug"]) == []
+    with pytest.raises(ConfigError, match="'objective.name': masked_diffusion needs at least one full-attention"):
+        objective.check_model(linear_only)

@@ -78,6 +78,7 @@ class Trainer:
 
         # ---- model: meta -> parallelize -> materialise -> init or load
         self.args = dataclasses.replace(model_args(cfg.model, spec), causal=self.objective.causal)
+        self.objective_notes = self.objective.check_model(self.args)
         check_vocab(self.dataset.manifest.get("vocab_size", 0), self.args.vocab_size)
         self.tokenizer = tokenizer = self._tokenizer()
         check_tokenizer(self.dataset, tokenizer, cfg.data.allow_tokenizer_mismatch, self.tokenizer_dir())
@@ -162,6 +163,7 @@ class Trainer:
             f"[init] {B} packs = {B * L:,} tokens per step, {self.total_steps} steps; output {cfg.job.dump_folder}",
             self.decay_line,
             *([tokenizer_line(self.tokenizer, self.args.vocab_size)] if self.tokenizer is not None else []),
+            *self.objective_notes,
         ):
             logger.info(line)
 

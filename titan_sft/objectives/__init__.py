@@ -5,6 +5,7 @@ An objective owns everything between the data and the gradient that differs from
 * ``collate(packs, groups, keys)``: the collator that turns packed examples into a microbatch (its fields are the
   objective's: shifted labels for causal LM, noised tokens for masked diffusion);
 * ``check_dataset(dataset)``: refuses a training dataset its settings cannot use (before any work);
+* ``check_model(args)``: refuses a model architecture it cannot train; returns notices for the start-up log;
 * ``causal``: the attention mode (causal, or bidirectional within each document);
 * ``begin_step(batch, dataset, first)``: per-step set-up before any forward (e.g. loss denominators all-reduced
   over the data-parallel ranks, ``self.dp_group``, so that the step loss is the same for any layout);
@@ -106,6 +107,11 @@ class Objective:
     def check_dataset(self, dataset: Any) -> None:
         """Refuses (``ConfigError``, naming the config key) a training dataset this objective's settings cannot use
         correctly; called once, before the model is built."""
+
+    def check_model(self, args: Any) -> list[str]:
+        """Refuses (``ConfigError``) model arguments (``models.transformer.ModelArgs``) this objective cannot
+        train; returns notice lines for the start-up log (what the architecture means for the objective)."""
+        return []
 
     def collate(self, packs: list, groups: list[int], keys: list[int]) -> Any:
         """``packs`` from the dataset, their loss groups, and their draw keys (``titan_sft.data.loader``)."""

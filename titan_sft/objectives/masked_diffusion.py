@@ -188,6 +188,17 @@ def resolve_mask_token(mask_token_id: int, vocab_size: int, tokenizer) -> int:
     return mask_token_id
 
 
+def _ranges(ids: list[int]) -> str:
+    """Layer indices as short ranges: [0, 1, 2, 4] -> '0-2, 4'."""
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 class MaskedDiffusion(Objective):
     causal = False
 
@@ -246,6 +257,25 @@ class MaskedDiffusion(Objective):
         if self.cfg.objective.split_loss and not dataset.manifest.get("eos_pad"):
             raise ConfigError(f"config key 'objective.split_loss': true needs a dataset whose answers are padded with "
                               f"end-of-turn tokens (prepare_diffusion --eos-pad); {dataset.path} has no padding")
+
+    def check_model(self, args) -> list[str]:
+        """Gated DeltaNet layers (Qwen3.5) are causal by construction: the recurrence and its conv read the row
+        left to right, so bidirectional attention reaches only the full-attention layers. A masked token then sees
+        the text after it only through those layers (one in four in the released Qwen3.5 models), and everything
+        above them in the stack; the objective still trains, but a model with no full-attention layer could never
+        see past a position and is refused."""
+        linear = args.linear_layers()
+        if not linear:
+            return []
+        if len(linear) == args.n_layers:
+            raise ConfigError(f"config key 'objective.name': masked_diffusion needs at least one full-attention "
+                              f"layer to see the text after a masked token; model {self.cfg.model.name!r} has only "
+                              f"linear_attention layers (causal by construction)")
+        full = [i for i in range(args.n_layers) if i not in set(linear)]
+        return [f"[init] masked diffusion on a hybrid model: attention is bidirectional in the {len(full)} "
+                f"full-attention layers ({_ranges(full)}); the {len(linear)} Gated DeltaNet layers "
+                f"({_ranges(linear)}) stay causal, so the text after a masked token reaches it only through the "
+                f"full-attention layers"]
 
     def head_positions(self, mb: DiffusionMicrobatch) -> int:
         return len(mb.rows)  # the head runs at the masked positions only
