@@ -100,6 +100,91 @@ def test_prepare_diffusion_examples_splits_and_eos_padding(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def _docs(ds):
+    """Every document of ``ds`` as (tokens, mask, answer length)."""
+    out = []
+    for i in range(len(ds)):
+        tokens, mask, doc_lens, answer_lens = ds[i][:4]
+        start = 0
+        for n, a in zip(doc_lens, answer_lens):
+            out.append((tokens[start : start + n], mask[start : start + n], int(a)))
+            start += int(n)
+    return out
+
+
+@pytest.mark.parametrize("eos_pad", [True, False])
+def test_history_drawn_per_batch_equals_prepared_with_and_without_it(tmp_path, eos_pad):
+    """``--history-draw batch`` (the reference's multi_turn_prob, drawn at collate time): a training example with
+    its history cut out equals the example prepared without history, kept it equals the example prepared with its
+    last ``max_history_turns`` pairs (both rendered by the chat template from the messages); the draw follows
+    (seed, key, document), differs between keys at the given rate, never keeps history in held-out streams, and
+    held-out splits are prepared without it."""
+    from titan_sft.data.dataset import PackedDataset
+    from titan_sft.data.prepare_diffusion import prepare_diffusion
+    from titan_sft.objectives.causal_lm import CausalLM
+    from titan_sft.objectives.masked_diffusion import (HISTORY_STREAM, TRAIN_STREAM, VALIDATION_STREAM,
+                                                       collate_diffusion, noise_rng)
+
+    turns = lambda c, n: [m for i in range(n) for m in ({"role": "user", "content": f"upper: {c * (i + 1)}"},  # noqa: E731
+                                                         {"role": "assistant", "content": c.upper() * (i + 1)})]
+    rows = [{"messages": turns(c, 3)} for c in "abcdef"] + [{"instruction": "upper", "input": c, "output": c.upper()}
+                                                             for c in "ghij"]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = dict(eos_pad=eos_pad, max_history_turns=1, validation_size=2, split_seed=1)
+    prepare_diffusion([str(src)], DEBUG_TOK, 96, str(tmp_path / "batch"), history_draw="batch", history_prob=0.5,
+                      **common)
+    prepare_diffusion([str(src)], DEBUG_TOK, 96, str(tmp_path / "kept"), history_prob=1.0, **common)
+    prepare_diffusion([str(src)], DEBUG_TOK, 96, str(tmp_path / "none"), **{**common, "max_history_turns": 0})
+    ds = PackedDataset(tmp_path / "batch" / "train")
+    assert ds.manifest["history_draw"] == {"prob": 0.5, "max_turns": 1}
+    spans = ds.history_spans
+    assert (spans[:, 1] > 0).sum() >= 8  # the second and third turns of each training conversation
+    kept, none = _docs(PackedDataset(tmp_path / "kept" / "train")), _docs(PackedDataset(tmp_path / "none" / "train"))
+    for i in range(len(ds)):
+        pack = ds[i]
+        for keep, ref in ((True, kept), (False, none)):
+            out = pack[4].apply(pack[:4], np.full(len(pack[2]), keep))
+            assert len(out[0]) == 96 and int(np.sum(out[2])) <= 96
+            got = _docs([out])
+            first = int(ds.pack_offsets[i]) if eos_pad else None
+            for j, (t, m, a) in enumerate(got):
+                want = ref[first + j] if eos_pad else next(r for r in ref if len(r[0]) == len(t) and
+                                                          np.array_equal(r[0], t))
+                assert np.array_equal(t, want[0]) and np.array_equal(m, want[1]) and a == want[2]
+    val = PackedDataset(tmp_path / "batch" / "validation")
+    assert val.history_spans is None and "history_draw" not in val.manifest
+    assert [d[0].tolist() for d in _docs(val)] == [d[0].tolist() for d in _docs(
+        PackedDataset(tmp_path / "none" / "validation"))]  # held out: no history, as the reference evaluates
+
+    # The collator draws per (seed, key, document): repeatable, different across keys at ~prob, none held out.
+    with_history = [i for i in range(len(ds)) if ds[i][4].spans[:, 1].any()]
+    p = with_history[0]
+    kw = dict(mask_id=MASK, t_min=0.1, shift=False, split=False, answer_weight=1.0, padding_weight=0.0,
+              per_example=True, seed=5)
+    tokens, _, doc_lens, _, history = ds[p]
+    d0 = int(np.flatnonzero(history.spans[:, 1])[0])  # documents before it have no history: nothing shifts them
+    a = int(np.sum(doc_lens[:d0])) + int(history.spans[d0, 0])
+    h = int(history.spans[d0, 1])
+    draws = []
+    for key in range(200):
+        mb = collate_diffusion([ds[p]], [key], **kw)
+        assert torch.equal(mb.input_ids, collate_diffusion([ds[p]], [key], **kw).input_ids)
+        draws.append(not np.array_equal(mb.input_ids[0, a : a + h].numpy(), tokens[a : a + h]))  # prompts stay clean
+        if key < 3:  # equal to collating the pack with the same draw made explicitly
+            keep = np.array([noise_rng(5, HISTORY_STREAM, key, d).random() < 0.5 for d in range(len(doc_lens))])
+            ref = collate_diffusion([history.apply(ds[p][:4], keep)], [key], **kw)
+            assert torch.equal(mb.input_ids, ref.input_ids) and torch.equal(mb.targets, ref.targets)
+            assert torch.equal(mb.cu_seqlens, ref.cu_seqlens)
+    assert 0.35 < np.mean(draws) < 0.65
+    held = collate_diffusion([ds[p]], [0], **kw, stream=VALIDATION_STREAM)
+    ref = collate_diffusion([ds[p][4].apply(ds[p][:4], np.zeros(len(ds[p][2]), bool))], [0], **kw,
+                            stream=VALIDATION_STREAM)
+    assert torch.equal(held.input_ids, ref.input_ids) and TRAIN_STREAM != VALIDATION_STREAM
+    with pytest.raises(ConfigError, match="causal_lm does not draw the per-batch history"):
+        CausalLM.check_dataset(object.__new__(CausalLM), ds)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # noising and loss
 

@@ -108,11 +108,11 @@ def test_prepare_diffusion_answers_tool_calls_and_renders_the_tools(qwen):
     pairs = examples_from_row(row, np.random.default_rng(0), -1, 1.0)
     assert len(pairs) == 3
     enc = ExampleEncoder(tok, None)
-    for (prompt, answer), k in zip(pairs, (2, 5, 7)):
+    for (prompt, answer, _), k in zip(pairs, (2, 5, 7)):
         prompt_ids, answer_ids = enc(prompt, answer)
         messages = [dict(m, content=m["content"] or "") for m in AGENT["messages"][: k + 1]]
         whole = tok.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=True)["input_ids"]
         ids = [*prompt_ids.tolist(), *answer_ids.tolist()]
         assert ids == list(whole[: len(ids)]) and len(whole) - len(ids) == 1  # all but the template's last "\n"
         assert tok.decode(answer_ids).endswith("<|im_end|>")
-    assert "<tool_call>" in tok.decode(enc(*pairs[2])[1]) and "get_weather" in tok.decode(enc(*pairs[0])[0])
+    assert "<tool_call>" in tok.decode(enc(*pairs[2][:2])[1]) and "get_weather" in tok.decode(enc(*pairs[0][:2])[0])

@@ -356,7 +356,7 @@ def load_prompts(path: str, tokenizer, limit: int, system_prompt: str = "") -> l
             out.append((_encode_prompt(tokenizer, with_system(msgs, system_prompt)), None))
         else:
             try:
-                prompt_msgs, answer = examples_from_row(row, np.random.default_rng(0), -1, 1.0)[-1]
+                prompt_msgs, answer, _ = examples_from_row(row, np.random.default_rng(0), -1, 1.0)[-1]
             except ValueError as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from None
             out.append((_encode_prompt(tokenizer, with_system(prompt_msgs, system_prompt)), answer["content"]))

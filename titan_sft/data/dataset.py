@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,48 @@ class DatasetError(ValueError):
     """The dataset directory is incomplete or its files disagree with the manifest; names the file."""
 
 
+@dataclass(frozen=True)
+class PackHistory:
+    """The earlier turns of a pack's prompts, drawn each time a batch is built (``prepare_diffusion
+    --history-draw batch``): ``spans`` [k, 2] is each document's (start, length) of history tokens (length 0:
+    none), kept with probability ``prob``. Removing a span shifts the rest of the pack left; the freed tail becomes
+    end-of-turn padding of the document (``eos_pad``: marked with the answer, as prepare pads) or pad tokens."""
+
+    spans: np.ndarray
+    prob: float
+    eos_pad: bool
+    eos_id: int
+    pad_id: int
+
+    def apply(self, pack: tuple, keep: np.ndarray) -> tuple:
+        """``pack`` (tokens, mask, doc_lens, answer_lens) with the history of the documents where ``keep`` [k] is
+        False cut out."""
+        tokens, mask, doc_lens, answer_lens = pack
+        out_t, out_m, lens, start = [], [], [], 0
+        for d, n in enumerate(int(x) for x in doc_lens):
+            a, h = (int(x) for x in self.spans[d])
+            t, m = tokens[start : start + n], mask[start : start + n]
+            if h and not keep[d]:
+                t, m = np.concatenate([t[:a], t[a + h:]]), np.concatenate([m[:a], m[a + h:]])
+                if self.eos_pad:  # the document fills its pack: more end-of-turn padding, marked as prepare marks it
+                    t = np.concatenate([t, np.full(h, self.eos_id, t.dtype)])
+                    m = np.concatenate([m, np.ones(h, m.dtype)])
+            out_t.append(t)
+            out_m.append(m)
+            lens.append(len(t))
+            start += n
+        L = len(tokens)
+        used = sum(lens)
+        out_t.append(np.full(L - used, self.pad_id, tokens.dtype))
+        out_m.append(np.zeros(L - used, mask.dtype))
+        return np.concatenate(out_t), np.concatenate(out_m), np.asarray(lens, doc_lens.dtype), answer_lens
+
+
 class PackedDataset:
     """``len(ds)`` packs; ``ds[i]`` -> (tokens [L] int32, assistant mask [L] 0/1, doc_lens [k] int32), plus
     ``answer_lens`` [k] (each document's own answer length, EOS padding excluded) for prompt/answer datasets
-    (``titan_sft.data.prepare_diffusion``), whose mask marks the answers.
+    (``titan_sft.data.prepare_diffusion``), whose mask marks the answers, and a :class:`PackHistory` for those
+    whose history is drawn per batch.
 
     Also reads what the reference SFT pipeline writes: a manifest without ``n_packs``/``format_version`` (taken
     from tokens.npy) and a signed 0/1 mask. ``doc_sources`` ([n_documents, 2]: input file index in
@@ -87,6 +126,14 @@ class PackedDataset:
         self.answer_lens = np.load(answer_lens) if answer_lens.is_file() else None
         if self.answer_lens is not None and self.answer_lens.shape != (D,):
             raise DatasetError(f"{answer_lens}: shape {self.answer_lens.shape}, manifest implies ({D},)")
+        self.history_spans = None
+        if "history_draw" in m:
+            spans = self.path / "history_spans.npy"
+            if not spans.is_file() or self.answer_lens is None:
+                raise DatasetError(f"{spans}: missing (the manifest says history is drawn per batch)")
+            self.history_spans = np.load(spans)
+            if self.history_spans.shape != (D, 2):
+                raise DatasetError(f"{spans}: shape {self.history_spans.shape}, manifest implies ({D}, 2)")
         self.pack_offsets = np.asarray(arrays["pack_offsets.npy"])
         self.assistant_counts = np.asarray(arrays["assistant_counts.npy"]).astype(np.int64)
         off = self.pack_offsets
@@ -129,7 +176,14 @@ class PackedDataset:
             return self.shards[k][int(i - self.shard_starts[k])]
         lo, hi = self.pack_offsets[i], self.pack_offsets[i + 1]
         pack = np.asarray(self.tokens[i]), np.asarray(self.assistant_mask[i]), self.doc_lens[lo:hi]
-        return pack if self.answer_lens is None else (*pack, self.answer_lens[lo:hi])
+        if self.answer_lens is None:
+            return pack
+        if self.history_spans is None:
+            return (*pack, self.answer_lens[lo:hi])
+        m = self.manifest
+        history = PackHistory(self.history_spans[lo:hi], float(m["history_draw"]["prob"]), bool(m.get("eos_pad")),
+                              int(m["eos_id"]), int(m["pad_id"]))
+        return (*pack, self.answer_lens[lo:hi], history)
 
     def describe_sources(self, packs) -> str:
         """Where the documents of ``packs`` came from: ``file:line`` per document when prepare recorded it."""

@@ -2,7 +2,8 @@
 
 Input rows (JSON Lines, ``.jsonl.gz`` too), either
 * chat: ``{"messages": [...]}``; every assistant turn becomes one example whose prompt is the turns before it
-  (``--max-history-turns`` / ``--history-prob`` keep fewer of them, seeded per row), or
+  (``--max-history-turns`` / ``--history-prob`` keep fewer of them: drawn once here, seeded per row, or with
+  ``--history-draw batch`` each time a training batch is built, as the reference trainer's ``multi_turn_prob``), or
 * instruction: ``{"instruction": ..., "input": optional, "output": ...}``; the user turn is the instruction,
   followed by a blank line and the input when there is one.
 An example whose answer is empty is skipped and counted; any other bad row follows ``--on-bad-row``.
@@ -54,8 +55,12 @@ def _text(value, what: str) -> str:
     return value
 
 
-def examples_from_row(row, rng: np.random.Generator, max_history: int, history_prob: float) -> list[tuple[list, dict]]:
-    """(prompt messages, answer message) pairs of one input row; raises ValueError (bad row) or SkipRow."""
+def examples_from_row(row, rng: np.random.Generator, max_history: int, history_prob: float,
+                      batch_draw: bool = False) -> list[tuple]:
+    """(prompt messages, answer message, prompt without its earlier turns or None) of one input row; raises
+    ValueError (bad row) or SkipRow. ``batch_draw``: the earlier turns (up to ``max_history`` pairs) are always
+    in the prompt and the third element is the prompt without them (None: it has none), for a draw per batch;
+    otherwise they are kept here with ``history_prob`` and the third element is None."""
     if not isinstance(row, dict):
         raise ValueError("a row must be a JSON object")
     if "messages" in row:
@@ -87,14 +92,18 @@ def examples_from_row(row, rng: np.random.Generator, max_history: int, history_p
             if last_user is None:
                 raise ValueError(f"assistant turn {k} has no user turn before it")
             earlier, current = history[:last_user], history[last_user:]
-            keep = max_history < 0 or rng.random() < history_prob
+            keep = batch_draw or max_history < 0 or rng.random() < history_prob
             if not keep:
                 earlier = []
             elif max_history >= 0:
                 earlier = earlier[-2 * max_history:] if max_history else []
             prompt = Conversation(system + earlier + current)
             prompt.tools = tools or None  # the schemas the template renders into the system turn
-            out.append((prompt, msgs[k]))
+            bare = None
+            if batch_draw and earlier:
+                bare = Conversation(system + current)
+                bare.tools = prompt.tools
+            out.append((prompt, msgs[k], bare))
         if not out:
             raise SkipRow("every assistant turn is empty")
         return out
@@ -107,7 +116,7 @@ def examples_from_row(row, rng: np.random.Generator, max_history: int, history_p
         if not answer.strip():
             raise SkipRow("empty 'output'")
         user = instruction + (f"\n\n{extra}" if extra.strip() else "")
-        return [([{"role": "user", "content": user}], {"role": "assistant", "content": answer})]
+        return [([{"role": "user", "content": user}], {"role": "assistant", "content": answer}, None)]
     raise ValueError("a row needs 'messages' or 'instruction' + 'output'")
 
 
@@ -154,19 +163,49 @@ class ExampleEncoder:
         return ids[:start], answer_ids
 
 
+def history_span(with_history: np.ndarray, without: np.ndarray) -> tuple[int, int]:
+    """(start, length) of the tokens that the earlier turns add to a prompt: ``with_history`` with that span cut
+    out must be ``without`` token for token (a chat template that renders turns independently of each other);
+    raises ValueError otherwise."""
+    h = len(with_history) - len(without)
+    n = min(len(with_history), len(without))
+    start = int(np.argmax(with_history[:n] != without[:n])) if np.any(with_history[:n] != without[:n]) else n
+    if h <= 0 or not np.array_equal(np.concatenate([with_history[:start], with_history[start + h:]]), without):
+        raise ValueError("the chat template does not render the earlier turns as a removable span of the prompt "
+                         "(needed by --history-draw batch; use --history-draw prepare)")
+    return start, h
+
+
 _WORK: tuple | None = None  # (encoder, max_history_turns, history_prob, split_seed), set before the pool forks
 
 
-def _encode_rows(batch: list[tuple[int, int, str]]) -> list[tuple]:
-    """Worker: per row ('ok', [(prompt ids, answer ids)], empty assistant turns) | ('skip',) | ('bad', reason)."""
+def _encode_rows(job: tuple[str, list[tuple[int, int, str]]]) -> list[tuple]:
+    """Worker: per row ('ok', [(prompt ids, answer ids, (history start, length))], empty assistant turns) |
+    ('skip',) | ('bad', reason). ``job``: (history mode, rows); the mode is 'prepare' (drawn here), 'batch'
+    (kept with its span, drawn per training batch) or 'none' (held-out splits under --history-draw batch: the
+    reference trainer draws history for training only)."""
     enc, max_history, history_prob, seed = _WORK
+    mode, batch = job
+    if mode == "none":
+        max_history, history_prob = 0, 1.0
     out = []
     for fidx, lineno, line in batch:
         try:
             row = json.loads(line)
             # A generator per row (seed, input, line): history sampling never depends on other rows.
-            pairs = examples_from_row(row, np.random.default_rng([seed, fidx, lineno]), max_history, history_prob)
-            encoded = [enc(p, a) for p, a in pairs]
+            triples = examples_from_row(row, np.random.default_rng([seed, fidx, lineno]), max_history, history_prob,
+                                        batch_draw=mode == "batch")
+            encoded = []
+            for prompt, answer, bare in triples:
+                p, a = enc(prompt, answer)
+                span = (0, 0)
+                if bare is not None:
+                    b, a_bare = enc(bare, answer)
+                    if not np.array_equal(a, a_bare):
+                        raise ValueError("the answer renders differently without the earlier turns (needed by "
+                                         "--history-draw batch; use --history-draw prepare)")
+                    span = history_span(p, b)
+                encoded.append((p, a, span))
         except SkipRow:
             out.append(("skip",))
             continue
@@ -179,18 +218,23 @@ def _encode_rows(batch: list[tuple[int, int, str]]) -> list[tuple]:
     return out
 
 
-def _encode_in_order(pool, rows: list) -> Iterator[tuple[tuple, tuple]]:
-    """(row, result) for every row in input order, batches encoded by the pool's workers (or here)."""
+def _encode_in_order(pool, rows: list, mode: str) -> Iterator[tuple[tuple, tuple]]:
+    """(row, result) for every row in input order, batches encoded by the pool's workers (or here); ``mode``: how
+    history is drawn (:func:`_encode_rows`)."""
     batches = list(_batches(iter(rows), BATCH_LINES))
-    results = pool.imap(_encode_rows, batches, chunksize=1) if pool else map(_encode_rows, batches)
+    jobs = [(mode, b) for b in batches]
+    results = pool.imap(_encode_rows, jobs, chunksize=1) if pool else map(_encode_rows, jobs)
     for batch, res_batch in zip(batches, results):
         yield from zip(batch, res_batch)
 
 
-def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bool, eot: int, pad_id: int) -> dict:
-    """Writes one split in the packed layout; ``docs`` are (prompt ids, answer ids)."""
+def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bool, eot: int, pad_id: int,
+                 history: dict | None = None) -> dict:
+    """Writes one split in the packed layout; ``docs`` are (prompt ids, answer ids, (history start, length)).
+    ``history`` ({"prob", "max_turns"}): the split's history is drawn per batch; ``history_spans.npy`` keeps
+    each document's span and the manifest's ``history_draw`` the probability."""
     out.mkdir(parents=True)
-    lens = np.asarray([len(p) + len(a) for p, a in docs], dtype=np.int64)
+    lens = np.asarray([len(p) + len(a) for p, a, _ in docs], dtype=np.int64)
     packs = [[i] for i in range(len(docs))] if eos_pad else pack_greedy(lens, seq_len, max_docs=64)
     P = len(packs)
     tokens = np.full((P, seq_len), pad_id, dtype=np.int32)
@@ -200,7 +244,7 @@ def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bo
     for p, members in enumerate(packs):
         pos = 0
         for i in members:
-            prompt, answer = docs[i]
+            prompt, answer, _ = docs[i]
             n = len(prompt) + len(answer)
             tokens[p, pos : pos + len(prompt)] = prompt
             tokens[p, pos + len(prompt) : pos + n] = answer
@@ -222,11 +266,15 @@ def _write_split(out: Path, docs: list, sources: list, seq_len: int, eos_pad: bo
     np.save(out / "doc_sources.npy", np.asarray(doc_sources, dtype=np.int64).reshape(-1, 2))
     np.save(out / "pack_offsets.npy", offsets)
     np.save(out / "assistant_counts.npy", counts)
+    if history is not None:
+        order = [i for members in packs for i in members]
+        np.save(out / "history_spans.npy", np.asarray([docs[i][2] for i in order], dtype=np.int32).reshape(-1, 2))
     n_tokens = int(sum(doc_lens))
     return {"format_version": FORMAT_VERSION, "kind": "prompt_answer", "max_seq_len": seq_len, "n_packs": P,
             "n_documents": len(doc_lens), "n_tokens": n_tokens, "n_assistant_tokens": int(amask.sum()),
             "n_answer_tokens": int(sum(answer_lens)), "n_loss_targets": int(counts.sum()),
-            "packing": "one_per_pack" if eos_pad else "greedy", "eos_pad": eos_pad}
+            "packing": "one_per_pack" if eos_pad else "greedy", "eos_pad": eos_pad,
+            **({"history_draw": history} if history is not None else {})}
 
 
 def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out: str, *, eos_pad: bool = False,
@@ -234,16 +282,21 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                       test_size: int = 0, split_seed: int = 0, max_history_turns: int = -1, history_prob: float = 1.0,
                       chat_template: str | None = None, overlength: str = "drop", on_bad_row: str = "error",
                       overwrite: bool = False, log=None, workers: int = 1, max_rows: int = 0,
-                      cache_dir: str | None = None, include_answer_eos: bool = True) -> dict:
+                      cache_dir: str | None = None, include_answer_eos: bool = True,
+                      history_draw: str = "prepare") -> dict:
     """Runs the whole job; returns the top-level manifest. Raises :class:`PrepareError` with one clear message.
 
     Inputs are input specs (:mod:`titan_sft.data.sources`). ``workers`` processes render and tokenize rows
     (output identical for any count); ``max_rows`` keeps the first training rows only (0: all); with ``cache_dir``
     the result is looked up in / added to that cache (:mod:`titan_sft.data.cache`). ``include_answer_eos`` (the
     reference trainer's setting, true by default): the answer ends with its one end-of-turn token; false stops
-    before it.
+    before it. ``history_draw``: "prepare" draws each example's history once here; "batch" keeps up to
+    ``max_history_turns`` earlier pairs with their token span and draws them (with ``history_prob``) each time a
+    training batch is built, so every epoch sees other histories; held-out splits then get none.
     """
     log = log or (lambda msg: None)
+    if history_draw not in ("prepare", "batch"):
+        raise PrepareError(f"--history-draw must be prepare or batch, got {history_draw!r}")
     if workers < 1:
         raise PrepareError(f"--workers must be at least 1, got {workers}")
     if max_rows < 0:
@@ -278,7 +331,7 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
            "inputs": {s: [x.identity for x in xs] for s, xs in sources.items()}, "validation_size": validation_size,
            "test_size": test_size, "split_seed": split_seed, "max_history_turns": max_history_turns,
            "history_prob": history_prob, "overlength": overlength, "on_bad_row": on_bad_row, "max_rows": max_rows,
-           "pad_id": pad_id}
+           "pad_id": pad_id, **({"history_draw": history_draw} if history_draw != "prepare" else {})}
     target = out_dir
     if cache_dir:
         target, hit = cache.lookup(cache_dir, key)
@@ -311,7 +364,8 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                 "tokenizer_sha256": tok_hash, "chat_template_sha256": enc.resolved.sha256,
                 "vocab_size": len(tokenizer), "eos_id": enc.eot, "pad_id": pad_id, "max_seq_len": seq_len,
                 "eos_pad": eos_pad, "include_answer_eos": include_answer_eos, "input_files": labels, "max_rows": max_rows,
-                "history": {"max_turns": max_history_turns, "prob": history_prob}, "overlength": overlength,
+                "history": {"max_turns": max_history_turns, "prob": history_prob, "draw": history_draw},
+                "overlength": overlength,
                 "split_seed": split_seed, "splits": {}}
     global _WORK
     _WORK = (enc, max_history_turns, history_prob, split_seed)
@@ -320,7 +374,8 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
         for split, split_rows in rows.items():
             stats = SplitStats()
             docs, kept = [], []
-            for (fidx, lineno, _), res in _encode_in_order(pool, split_rows):
+            mode = history_draw if split == "train" or history_draw == "prepare" else "none"
+            for (fidx, lineno, _), res in _encode_in_order(pool, split_rows, mode):
                 stats.rows += 1
                 if res[0] == "skip":
                     stats.skipped_empty_answer += 1
@@ -335,19 +390,20 @@ def prepare_diffusion(inputs: list[str], tokenizer_path: str, seq_len: int, out:
                     continue
                 _, encoded, empty_turns = res
                 stats.skipped_empty_answer += empty_turns
-                for prompt, answer in encoded:
-                    if len(prompt) + len(answer) > seq_len:
+                for prompt, answer, span in encoded:
+                    if len(prompt) + len(answer) > seq_len:  # with all the history it may carry
                         if overlength == "drop" or len(prompt) >= seq_len:
                             stats.dropped_overlength += 1
                             continue
                         answer = answer[: seq_len - len(prompt)]
                         stats.truncated += 1
-                    docs.append((prompt, answer))
+                    docs.append((prompt, answer, span))
                     kept.append((fidx, lineno))
                     stats.examples += 1
             if not docs:
                 raise PrepareError(f"split '{split}': no usable examples")
-            m = _write_split(tmp / split, docs, kept, seq_len, eos_pad, enc.eot, pad_id)
+            drawn = {"prob": history_prob, "max_turns": max_history_turns} if mode == "batch" else None
+            m = _write_split(tmp / split, docs, kept, seq_len, eos_pad, enc.eot, pad_id, drawn)
             m.update(tokenizer=str(tokenizer_path), tokenizer_sha256=tok_hash, chat_template_sha256=enc.resolved.sha256,
                      vocab_size=len(tokenizer), eos_id=enc.eot, pad_id=pad_id, input_files=manifest["input_files"],
                      split=split, rows=stats.rows, skipped_empty_answer=stats.skipped_empty_answer,
@@ -397,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="earlier user/assistant pairs kept in a prompt (-1: all)")
     ap.add_argument("--history-prob", type=float, default=1.0,
                     help="with --max-history-turns: probability of keeping that history (else none)")
+    ap.add_argument("--history-draw", choices=["prepare", "batch"], default="prepare",
+                    help="draw the kept history once here (prepare), or each time a training batch is built "
+                         "(batch: the reference trainer's multi_turn_prob; held-out splits get no history)")
     ap.add_argument("--chat-template", default=None, help="Jinja chat template file with {%% generation %%} markers")
     ap.add_argument("--overlength", choices=["drop", "truncate"], default="drop",
                     help="an example longer than --seq-len: drop it, or cut its answer")
@@ -417,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                           history_prob=a.history_prob, chat_template=a.chat_template, overlength=a.overlength,
                           on_bad_row=a.on_bad_row, overwrite=a.overwrite, workers=a.workers, max_rows=a.max_rows,
                           cache_dir=a.cache_dir, include_answer_eos=a.include_answer_eos,
+                          history_draw=a.history_draw,
                           log=lambda msg: print(f"prepare_diffusion: {msg}", file=sys.stderr))
     except PrepareError as e:
         print(f"prepare_diffusion: error: {e}", file=sys.stderr)

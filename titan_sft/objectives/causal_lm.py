@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from titan_sft.config import JobConfig
+from titan_sft.config import ConfigError, JobConfig
 from titan_sft.constants import IGNORE_INDEX
 from titan_sft.data.collator import Microbatch, collate, target_rows
 from titan_sft.log import logger
@@ -52,6 +52,14 @@ class CausalLM(Objective):
         self.reset_positions = cfg.model.reset_positions_per_document
         self.compile_loss = t.compile_loss
         self.counts = torch.zeros(self.n_groups, dtype=torch.float64)
+
+    def check_dataset(self, dataset) -> None:
+        """A prompt/answer dataset whose history is drawn per batch holds every example with all its history; the
+        draw belongs to masked diffusion's collator, so causal training would silently keep it all."""
+        if "history_draw" in dataset.manifest:
+            raise ConfigError(f"config key 'objective.name': causal_lm does not draw the per-batch history of "
+                              f"{dataset.path} (prepare_diffusion --history-draw batch); prepare it with "
+                              f"--history-draw prepare, or train it with masked_diffusion")
 
     def collate(self, packs: list, groups: list[int], keys: list[int] | None = None) -> Microbatch:
         return collate(packs, groups, self.reset_positions)

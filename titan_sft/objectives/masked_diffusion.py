@@ -40,6 +40,7 @@ from titan_sft.parallel import comm
 from titan_sft.registry import register_objective
 
 TRAIN_STREAM, VALIDATION_STREAM, TEST_STREAM = 0, 1, 2
+HISTORY_STREAM = 3  # the per-batch history draws of training examples (``data.dataset.PackHistory``)
 
 
 @dataclass
@@ -96,11 +97,19 @@ def collate_diffusion(packs: list, keys: list[int], *, mask_id: int, t_min: floa
                       stream: int = TRAIN_STREAM, padding_loss: bool = True) -> DiffusionMicrobatch:
     """Noises packed prompt/answer examples; see the module docstring for the semantics. ``padding_loss``
     (``objective.eos_padding_loss``): an example's end-of-turn padding (past ``answer_lens``) is noised and
-    supervised with its answer; false leaves it clean and outside the loss."""
+    supervised with its answer; false leaves it clean and outside the loss. A pack whose history is drawn per
+    batch (a :class:`~titan_sft.data.dataset.PackHistory` after ``answer_lens``) keeps each document's earlier
+    turns with the dataset's probability, drawn from (seed, key, document) in training; held-out streams never
+    keep them (the reference trainer draws history for training only)."""
     rows_ids, pos, seg_lens = [], [], []
     sel, tgt, wts, part = [], [], [], []
     stats = np.zeros(6, dtype=np.float64)
     for p, (pack, key) in enumerate(zip(packs, keys)):
+        if len(pack) > 4:
+            history = pack[4]
+            keep = np.array([stream == TRAIN_STREAM and noise_rng(seed, HISTORY_STREAM, key, d).random() < history.prob
+                             for d in range(len(pack[2]))])
+            pack = history.apply(pack[:4], keep)
         tokens, mask, doc_lens = pack[0], pack[1], pack[2]
         answer_lens = pack[3] if len(pack) > 3 else None
         L = len(tokens)
