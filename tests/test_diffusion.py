@@ -185,6 +185,45 @@ def test_history_drawn_per_batch_equals_prepared_with_and_without_it(tmp_path, e
         CausalLM.check_dataset(object.__new__(CausalLM), ds)
 
 
+def test_validation_examples_are_counted_in_examples_whatever_the_packing(one_rank_group, tmp_path):
+    """``validation.max_loss_examples`` (the reference's validation_samples) evaluates the first N examples of a
+    greedily packed held-out set: N examples are counted, a pack cut after its r-th document gives the loss of that
+    pack with the rest blanked to padding, all documents equal no limit, and the test split is never cut."""
+    from titan_sft.data.dataset import PackedDataset
+    from titan_sft.data.prepare_diffusion import prepare_diffusion
+    from titan_sft.objectives.masked_diffusion import (TEST_STREAM, VALIDATION_STREAM, DenoisingValidator,
+                                                       MaskedDiffusion)
+
+    prepare_diffusion([str(ROOT / "titan_sft/assets/debug_data/heldout.jsonl")], DEBUG_TOK, 96, str(tmp_path / "d"))
+    ds = PackedDataset(tmp_path / "d" / "train")
+    per_pack = [len(ds[i][2]) for i in range(len(ds))]
+    assert per_pack[0] > 2 and len(ds) > 2
+    model = _model()
+
+    def evaluate(n, dataset=ds, stream=VALIDATION_STREAM):
+        cfg = load_config(None, ["--objective.name", "masked_diffusion", "--data.path", str(tmp_path / "d/train"),
+                                 "--validation.path", str(tmp_path / "d/train"), "--validation.batch_size", "2",
+                                 "--validation.max_loss_examples", str(n)])
+        obj = MaskedDiffusion(cfg)
+        obj.mask_id = MASK
+        return DenoisingValidator(obj).evaluate(model, dataset, stream)
+
+    r = 2
+    n = per_pack[0] + r  # the first pack whole, the second cut after its r-th document
+    got = evaluate(n)
+    assert got["n_examples"] == n
+    tokens, mask, doc_lens, answer_lens = ds[1]
+    used = int(np.sum(doc_lens[:r]))
+    blank = (np.concatenate([tokens[:used], np.full(len(tokens) - used, ds.manifest["pad_id"], tokens.dtype)]),
+             np.concatenate([mask[:used], np.zeros(len(mask) - used, mask.dtype)]), doc_lens[:r], answer_lens[:r])
+    want = evaluate(0, [ds[0], blank])
+    assert got["n_examples"] == want["n_examples"] and got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert evaluate(sum(per_pack))["loss"] == pytest.approx(evaluate(0)["loss"], rel=1e-9)
+    assert evaluate(n, stream=TEST_STREAM)["n_examples"] == sum(per_pack)
+    with pytest.raises(ConfigError, match="'validation.max_loss_examples'"):
+        load_config(None, ["--validation.max_loss_examples", "5"])  # causal_lm: validation.max_packs
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # noising and loss
 

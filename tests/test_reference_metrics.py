@@ -89,7 +89,7 @@ def test_reference_config_carries_the_reference_defaults():
         (42, True, True, 1, 0)
     assert (c.lr_scheduler.name, c.lr_scheduler.warmup_steps, c.training.max_grad_norm) == ("linear", 0, 0.0)
     assert c.optimizer.decay_mask == "all"
-    assert (v.interval, v.max_packs, v.generation_eval_path, v.max_examples, v.gen_length, v.gen_steps,
+    assert (v.interval, v.max_loss_examples, v.generation_eval_path, v.max_examples, v.gen_length, v.gen_steps,
             v.temperature, v.noise_seed) == (100, 200, "builtin", 30, 128, 64, 0.7, 1234)
     env = {**os.environ, "WORLD_SIZE": "8"}
     r = subprocess.run([sys.executable, "-m", "titan_sft.train", "--config",

@@ -274,6 +274,9 @@ class Validation:
                                        "(seeded split; they are not trained on)")
     holdout_seed: int = doc(0, "seed of that split")
     max_packs: int = doc(0, "held-out and test loss: evaluate only the first this many packs of the split (0: all)")
+    max_loss_examples: int = doc(0, "masked_diffusion held-out loss: only the first this many examples of each "
+                                    "held-out set, counted in examples whatever the packing (0: all; the reference "
+                                    "trainer's validation_samples); the test split is evaluated whole")
     batch_size: int = doc(0, "packs per forward in held-out and test evaluation (0: training.per_device_batch)")
     interval: int = doc(0, "held-out loss every this many steps (and after the last); 0: only after the last")
     keep_best: Literal["auto", True, False] = doc(
@@ -708,6 +711,12 @@ def validate(cfg: JobConfig) -> None:
          "validation.gen_steps", "a positive multiple of the blocks gen_length / block_length", v.gen_steps)
     need(v.temperature >= 0, "validation.temperature", ">= 0", v.temperature)
     need(v.max_packs >= 0, "validation.max_packs", "0 (all) or a positive count", v.max_packs)
+    need(v.max_loss_examples >= 0, "validation.max_loss_examples", "0 (all) or a positive count", v.max_loss_examples)
+    need(not (v.max_loss_examples and v.max_packs), "validation.max_loss_examples",
+         "0 when validation.max_packs is set (one limit on the held-out loss)", v.max_loss_examples)
+    need(not v.max_loss_examples or cfg.objective.name == "masked_diffusion", "validation.max_loss_examples",
+         "0 unless objective.name is masked_diffusion (causal held-out loss: validation.max_packs)",
+         v.max_loss_examples)
     need(v.batch_size >= 0, "validation.batch_size", "0 (training.per_device_batch) or a positive count", v.batch_size)
     need(not v.keep_best or bool(v.path or v.holdout_fraction or v.sources), "validation.keep_best",
          "false unless validation.path, validation.sources or validation.holdout_fraction gives a held-out set",

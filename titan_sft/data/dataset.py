@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,14 @@ class PackHistory:
         out_t.append(np.full(L - used, self.pad_id, tokens.dtype))
         out_m.append(np.zeros(L - used, mask.dtype))
         return np.concatenate(out_t), np.concatenate(out_m), np.asarray(lens, doc_lens.dtype), answer_lens
+
+
+def first_documents(pack: tuple, r: int) -> tuple:
+    """``pack`` holding only its first ``r`` documents: the rest of the row is padding outside every document (its
+    tokens stay; attention keeps them apart and nothing reads a loss there)."""
+    tokens, mask, doc_lens, *rest = pack
+    rest = [x[:r] if isinstance(x, np.ndarray) else replace(x, spans=x.spans[:r]) for x in rest]
+    return (tokens, mask, doc_lens[:r], *rest)
 
 
 class PackedDataset:

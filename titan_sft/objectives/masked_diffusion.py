@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from titan_sft.config import ConfigError, JobConfig
 from titan_sft.diffusion_sampler import GenerationValidator, end_token_ids
+from titan_sft.data.dataset import first_documents
 from titan_sft.loss import chunked_cross_entropy_sum
 from titan_sft.objectives import (BatchError, Objective, Validator, Validators, forward_hidden, sum_over_stages,
                                   validation_records)
@@ -361,7 +362,7 @@ class DenoisingValidator(Validator):
         self.test = PackedDataset(v.test_path) if v.test_path else None
         self.interval, self.keep_best = v.interval, v.keep_best and bool(self.validations)
         self.per_device = v.batch_size or cfg.training.per_device_batch
-        self.max_packs = v.max_packs
+        self.max_packs, self.max_examples = v.max_packs, v.max_loss_examples
         self.rounds = 0
 
     def maybe_validate(self, step, total_steps, model, checkpointer) -> list[dict]:
@@ -397,6 +398,15 @@ class DenoisingValidator(Validator):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         group = obj.loss_group  # the sums: each cp rank evaluates its part of the rows
         n = min(len(dataset), self.max_packs) if self.max_packs else len(dataset)
+        last_docs = 0  # with max_loss_examples: the documents of pack n - 1 that are evaluated (0: all)
+        if self.max_examples and stream == VALIDATION_STREAM:
+            seen = 0
+            for i in range(len(dataset)):
+                k = len(dataset[i][2])
+                if seen + k >= self.max_examples:
+                    n, last_docs = i + 1, self.max_examples - seen
+                    break
+                seen += k
         mine = list(range(rank, n, world))
         per_rank = -(-n // world)
         device = next(model.parameters()).device
@@ -408,8 +418,9 @@ class DenoisingValidator(Validator):
             for start in range(0, per_rank, self.per_device):
                 picks = range(start, min(start + self.per_device, per_rank))
                 ids = [mine[j] if j < len(mine) else 0 for j in picks]
-                mb = obj.collate([dataset[i] for i in ids], [0] * len(ids), ids, stream=stream,
-                                 seed=self.cfg.validation.noise_seed)
+                packs = [first_documents(dataset[i], last_docs) if last_docs and i == n - 1 else dataset[i]
+                         for i in ids]
+                mb = obj.collate(packs, [0] * len(ids), ids, stream=stream, seed=self.cfg.validation.noise_seed)
                 keep = torch.ones(len(mb.rows), dtype=torch.float64)
                 if any(j >= len(mine) for j in picks):  # padding forward on ranks with a pack fewer: no loss
                     mb.weights.zero_()
