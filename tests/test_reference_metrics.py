@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +76,23 @@ def test_diffusion_run_records_reference_metrics(tmp_path):
         assert g[f"nll{suffix}_mean"] == pytest.approx(total / g["n_tokens"], rel=1e-9)
         assert g[f"perplexity{suffix}_pooled"] == pytest.approx(math.exp(g[f"nll{suffix}_mean"]), rel=1e-9)
     assert g["perplexity_text_mean"] != g["perplexity_mean"]  # the text alone is scored without its prompt
+    # As the reference scores a text alone: re-encoded by the tokenizer (the debug one, like Qwen3's, prepends no
+    # BOS), every token after the first, under the base model: by hand with transformers on the shipped base.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "titan_sft/assets/debug_base", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(ROOT / "titan_sft/assets/debug_tokenizer")
+    total = count = 0
+    for x in rows:
+        ids = tok(x["text"])["input_ids"]
+        assert x["n_tokens_reference"] == max(len(ids) - 1, 0)
+        if len(ids) > 1:
+            with torch.no_grad():
+                logits = base(torch.tensor([ids])).logits[0, :-1].float()
+            nll = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+            assert x["nll_reference"] * x["n_tokens_reference"] == pytest.approx(nll, rel=1e-4, abs=1e-4)
+            total, count = total + nll, count + len(ids) - 1
+    assert g["nll_reference_mean"] == pytest.approx(total / count, rel=1e-4)
     assert all(g[f"distinct_{n}_per_text"] is not None for n in (1, 2))
     assert "4/4" in r.stderr  # the bar, on stderr; the log lines still on stdout
     assert "step 4/4" in r.stdout

@@ -142,6 +142,13 @@ def text_prefix_id(tokenizer) -> int:
     return eot if isinstance(eot, int) and eot != tokenizer.unk_token_id else tokenizer.eos_token_id
 
 
+def reference_text_ids(tokenizer, text: str) -> list[int]:
+    """A generated text as the reference trainer scores it alone: the decoded text encoded again by the tokenizer
+    with its own special tokens (Llama 3 prepends its BOS, Qwen3 adds nothing), every token after the first scored:
+    n - 1 scored tokens where nothing is prepended."""
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
 def answer_tokens(generated: list[int], end_ids: list[int]) -> list[int]:
     """The answer proper: up to and including the first end token (the rest is EOS padding)."""
     for i, t in enumerate(generated):
@@ -155,8 +162,9 @@ class GenerationValidator:
     prompts of ``validation.generation_eval_path``, then each text's perplexity under the base model (the
     initial value of every trainable parameter restored: LoRA adapters contribute nothing and the norms are the
     original ones; causal attention), pooled and as mean / median per text, both given the prompt and of the text
-    alone after :func:`text_prefix_id` (the reference's "BOS + text"), the mean NLL per token of each, token
-    counts, distinct-1/2/3 pooled over all texts and per text averaged, and, where the rows carry a reference
+    alone after :func:`text_prefix_id` (BOS + text, with ``<|endoftext|>`` standing in for a missing BOS), and
+    of the text as the reference trainer scores it (``_reference``: :func:`reference_text_ids`, every token after
+    the first), the mean NLL per token of each, token counts, distinct-1/2/3 pooled over all texts and per text averaged, and, where the rows carry a reference
     answer, exact match. Every text with its scores goes to ``generation_metrics.jsonl``.
 
     All ranks run the same forwards (FSDP needs every rank in each forward); rank 0 writes.
@@ -225,15 +233,19 @@ class GenerationValidator:
                            late_ids=end_ids if v.confidence_eos_eot_inf else None, seed=self.cfg.validation.noise_seed + i,
                            shift=self.cfg.objective.shift)
             outs.append(answer_tokens(ids.tolist(), end_ids))
-        nll, alone = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device)
+        texts = [self.tokenizer.decode(toks, skip_special_tokens=True) for toks in outs]
+        nll, alone, as_ref = self.base_model_nll(model, [p for p, _ in self.prompts], outs, device,
+                                                 [reference_text_ids(self.tokenizer, t) for t in texts])
         model.train(was_training)
         rows, correct, n_ref = [], 0, 0
         ppl = lambda s, n: math.exp(s / n) if n else float("nan")  # noqa: E731
-        for i, ((prompt, ref), toks, (s, n), (s_alone, _)) in enumerate(zip(self.prompts, outs, nll, alone)):
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        for i, ((prompt, ref), toks, text, (s, n), (s_alone, _), (s_ref, n_r)) in enumerate(
+                zip(self.prompts, outs, texts, nll, alone, as_ref)):
             row = {"step": step, "index": i, "prompt": self.tokenizer.decode(prompt), "text": text,
                    "n_tokens": len(toks), "perplexity": ppl(s, n), "perplexity_text": ppl(s_alone, n),
-                   "nll": s / n if n else None, "nll_text": s_alone / n if n else None}
+                   "nll": s / n if n else None, "nll_text": s_alone / n if n else None,
+                   "n_tokens_reference": n_r, "perplexity_reference": ppl(s_ref, n_r),
+                   "nll_reference": s_ref / n_r if n_r else None}
             if ref is not None:
                 ok = _THINK.sub("", text).strip() == _THINK.sub("", ref).strip()
                 row["reference"], row["exact_match"] = ref, ok
@@ -242,13 +254,13 @@ class GenerationValidator:
         total_n = sum(n for _, n in nll)
         summary = {"split": "generation", "step": step, "n_texts": len(outs), "n_tokens": total_n,
                    "mean_length": statistics.fmean(len(o) for o in outs) if outs else 0.0}
-        for suffix, scores in (("", nll), ("_text", alone)):
-            total = sum(s for s, _ in scores)
+        for suffix, scores in (("", nll), ("_text", alone), ("_reference", as_ref)):
+            total, count = sum(s for s, _ in scores), sum(n for _, n in scores)
             finite = [p for p in (ppl(s, n) for s, n in scores) if math.isfinite(p)]
-            summary.update({f"perplexity{suffix}_pooled": math.exp(total / total_n) if total_n else None,
+            summary.update({f"perplexity{suffix}_pooled": math.exp(total / count) if count else None,
                             f"perplexity{suffix}_mean": statistics.fmean(finite) if finite else None,
                             f"perplexity{suffix}_median": statistics.median(finite) if finite else None,
-                            f"nll{suffix}_mean": total / total_n if total_n else None})
+                            f"nll{suffix}_mean": total / count if count else None})
         for n in (1, 2, 3):
             summary[f"distinct_{n}"] = distinct_n(outs, n)
             summary[f"distinct_{n}_per_text"] = distinct_n_per_text(outs, n)
@@ -256,10 +268,10 @@ class GenerationValidator:
             summary["exact_match"] = correct / n_ref
         return summary, rows
 
-    def base_model_nll(self, model, prompts, outs, device) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
-        """(summed NLL, tokens) of each generated answer given its prompt, and of the answer alone after
-        :func:`text_prefix_id`, under the base model with causal attention: trainable parameters swapped for their
-        starting values, then back."""
+    def base_model_nll(self, model, prompts, outs, device, reference_ids) -> tuple[list[tuple[float, int]], ...]:
+        """(summed NLL, tokens) of each generated answer given its prompt, of the answer alone after
+        :func:`text_prefix_id`, and of ``reference_ids`` (:func:`reference_text_ids`) after their first token, under
+        the base model with causal attention: trainable parameters swapped for their starting values, then back."""
         swap_parameters(model, self.base)
         backend = model.backend
         backend.causal = True
@@ -273,7 +285,8 @@ class GenerationValidator:
             return float(F.cross_entropy(logits, ids[0, len(context):], reduction="sum")), len(toks)
 
         try:
-            return ([score(p, t) for p, t in zip(prompts, outs)], [score(prefix, t) for t in outs])
+            return ([score(p, t) for p, t in zip(prompts, outs)], [score(prefix, t) for t in outs],
+                    [score(ids[:1], ids[1:]) for ids in reference_ids])
         finally:
             backend.causal = False
             swap_parameters(model, self.base)
