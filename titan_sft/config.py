@@ -869,22 +869,24 @@ def check_expert_parallel(ep: int, n_experts: int, compile: bool = False, lora_e
 
 
 def check_context_parallel(cp: int, mode: str, tp: int, n_heads: int, n_kv_heads: int, seq_len: int,
-                           attention: str, linear_layers: int = 0, linear_k_heads: int = 0) -> None:
+                           attention: str, linear_layers: int = 0, linear_k_heads: int = 0,
+                           linear_conv_kernel: int = 4) -> None:
     """Context parallel cuts every row into equal shards (ring: two chunks per rank), each still divisible by tp
     for sequence parallel; Ulysses hands each cp rank whole heads of the tp rank's share. Gated DeltaNet layers
-    (``linear_layers``, ``linear_k_heads`` key heads) run under Ulysses on whole rows of whole key heads; ring is
-    refused for them (their recurrence would need the state passed between ranks)."""
+    (``linear_layers``, ``linear_k_heads`` key heads) run under Ulysses on whole rows of whole key heads; under ring
+    on their segments with the state passed along, each segment at least the conv's window
+    (``linear_conv_kernel - 1`` tokens) long."""
     if cp == 1:
         return
-    if linear_layers and mode == "ring":
-        raise ConfigError(f"config key 'parallelism.cp_mode': 'ring' does not shard this model's {linear_layers} "
-                          "linear-attention (Gated DeltaNet) layers (their recurrent state runs over whole rows); use "
-                          "'ulysses', which moves them to whole rows of their heads")
-    if linear_layers and (linear_k_heads // tp) % cp:
+    chunks = cp * (2 if mode == "ring" else 1)
+    if linear_layers and mode == "ring" and seq_len // chunks < linear_conv_kernel - 1:
+        raise ConfigError(f"config key 'parallelism.cp': ring cuts rows of {seq_len} tokens into {chunks} segments of "
+                          f"{seq_len // chunks}, shorter than the linear-attention conv's window of "
+                          f"{linear_conv_kernel - 1} tokens; use a smaller cp or 'ulysses'")
+    if linear_layers and mode == "ulysses" and (linear_k_heads // tp) % cp:
         raise ConfigError(f"config key 'parallelism.cp': ulysses gives each of the {cp} cp ranks whole key heads of "
                           f"the linear-attention layers, but there are {linear_k_heads // tp} per tp rank; use a cp "
-                          "that divides them")
-    chunks = cp * (2 if mode == "ring" else 1)
+                          "that divides them or parallelism.cp_mode = 'ring'")
     if seq_len % (chunks * tp):
         raise ConfigError(f"config key 'parallelism.cp': {cp} ({mode}{', two chunks per rank' if mode == 'ring' else ''}"
                           f"{f' x tp {tp}' if tp > 1 else ''}) must divide the packed sequence length {seq_len} into "

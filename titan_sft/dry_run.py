@@ -341,7 +341,8 @@ def dry_run(cfg: JobConfig) -> str:
     L = L or cfg.data.seq_len or None
     check_tensor_parallel(tp, args.n_heads, args.n_kv_heads, L or tp, args.linear_n_k_heads)
     check_context_parallel(cp, cfg.parallelism.cp_mode, tp, args.n_heads, args.n_kv_heads,
-                           L or cp * tp * 2, attention, len(args.linear_layers()), args.linear_n_k_heads)
+                           L or cp * tp * 2 * max(args.linear_conv_kernel - 1, 1), attention,
+                           len(args.linear_layers()), args.linear_n_k_heads, args.linear_conv_kernel)
     check_expert_parallel(ep, args.n_experts, cfg.training.compile, "lora" in cfg.model.converters and cfg.lora.experts,
                           tp)
     plan = spec.tp_plan_fn()

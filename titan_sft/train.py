@@ -87,7 +87,7 @@ class Trainer:
                               self.args.linear_n_k_heads)
         check_context_parallel(d.dims.cp, cfg.parallelism.cp_mode, d.dims.tp, self.args.n_heads,
                                self.args.n_kv_heads, self.seq_len, cfg.model.attention, len(self.args.linear_layers()),
-                               self.args.linear_n_k_heads)
+                               self.args.linear_n_k_heads, self.args.linear_conv_kernel)
         check_expert_parallel(d.dims.ep, self.args.n_experts, cfg.training.compile,
                               "lora" in cfg.model.converters and cfg.lora.experts, d.dims.tp)
         check_pipeline_parallel(cfg, self.args)

@@ -43,7 +43,8 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           reset: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+                           reset: torch.Tensor | None = None, chunk: int = CHUNK,
+                           initial_state: torch.Tensor | None = None, output_final_state: bool = False):
     """The gated delta rule over whole rows, computed chunk by chunk (the WY/UT form), in fp32 (or fp64).
 
     Args:
@@ -52,8 +53,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         g: [B, T, H] log decay (<= 0); beta: [B, T, H] write strength.
         reset: optional bool [B, T / chunk]: clear the state before that chunk (a document starts there). T must
             then be a multiple of ``chunk``.
+        initial_state: optional [B, H, d_k, d_v], the state before the first token (zeros by default).
+        output_final_state: also return the state after the last token ([B, H, d_k, d_v], fp32 at least).
     Returns:
-        [B, T, H, d_v] in q's dtype.
+        [B, T, H, d_v] in q's dtype (and the final state when asked).
     """
     dtype = q.dtype
     b, t, h, dk = k.shape
@@ -82,7 +85,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_dec = k * (decay[..., -1:] - decay).exp()[..., None]  # keys as they enter the state at the chunk's end
     chunk_decay = decay[..., -1].exp()[..., None, None]
     keep = None if reset is None else (~reset).to(q.dtype).view(b, 1, n, 1, 1)
-    state = q.new_zeros(b, h, dk, v.shape[-1])
+    state = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(ctype)
     out = []
     for i in range(n):
         if keep is not None:
@@ -90,8 +93,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         v_new = u[:, :, i] - w[:, :, i] @ state
         out.append(q_dec[:, :, i] @ state + scores[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i] + k_dec[:, :, i].transpose(-1, -2) @ v_new
-    o = torch.stack(out, dim=2).reshape(b, h, n * chunk, -1)[:, :, :t]
-    return o.transpose(1, 2).to(dtype)
+    o = torch.stack(out, dim=2).reshape(b, h, n * chunk, -1)[:, :, :t].transpose(1, 2).to(dtype)
+    return (o, state) if output_final_state else o
 
 
 def document_layout(cu_seqlens: torch.Tensor, total: int, chunk: int = CHUNK):
@@ -164,6 +167,127 @@ def gated_delta_rule(q, k, v, g, beta, cu_seqlens: torch.Tensor | None) -> torch
     if cu_seqlens is None:
         return chunk_gated_delta_rule(q, k, v, g, beta)
     return packed_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+
+
+def segment_gated_delta_rule(q, k, v, g, beta, position: torch.Tensor):
+    """The delta rule over segments [N, c, ...] of longer rows, for state passing (ring context parallel).
+
+    ``position`` [N, c] is each token's index within its document; a segment whose first position is not 0 continues
+    a document from the segment before it. The state after a segment is affine in the state before it,
+    ``S_out = P S_in + Q``, and every output is ``o = o_0 + r S_in``: one pass with the values extended by d_k zero
+    columns and the initial state ``[0 | I]`` gives all four (the recurrence acts on the state's columns
+    independently, the identity columns carry ``P`` and ``r``). A document starting inside the segment clears the
+    state there, so it contributes neither to ``P`` nor, after its start, to ``r``.
+
+    Returns (o_0 [N, c, H, d_v], r [N, c, H, d_k], P [N, H, d_k, d_k], Q [N, H, d_k, d_v]), the states fp32."""
+    n, c, h, dk = q.shape
+    dv = v.shape[-1]
+    v_ext = torch.cat([v, v.new_zeros(n, c, h, dk)], -1)
+    initial = torch.zeros(n, h, dk, dv + dk, dtype=torch.float32, device=q.device)
+    initial[..., dv:] = torch.eye(dk, device=q.device)
+    starts = position == 0
+    starts[:, 0] = True  # every segment begins a piece; it continues a document unless its position is 0
+    if q.is_cuda and fla_available():
+        o, final = _fla_segments(q, k, v_ext, g, beta, starts, position[:, 0] > 0, initial)
+    else:
+        o, final = _torch_segments(q, k, v_ext, g, beta, starts, position[:, 0] > 0, initial)
+    return o[..., :dv], o[..., dv:], final[..., dv:], final[..., :dv]
+
+
+def _torch_segments(q, k, v, g, beta, starts, continues, initial):
+    """The torch delta rule per segment (batched): each segment's pieces laid out from chunk starts, the state
+    cleared where a document starts (at the segment's first chunk only if it does not continue one)."""
+    n, c = starts.shape
+    layouts = []
+    for i in range(n):
+        cu = torch.cat([starts[i].nonzero().flatten(), starts.new_tensor([c], dtype=torch.long)])
+        dest, length, reset = document_layout(cu, c)
+        reset[0] = not bool(continues[i])
+        layouts.append((dest, length, reset))
+    width = max(x[1] for x in layouts)
+    dest = torch.cat([d + i * width for i, (d, _, _) in enumerate(layouts)])
+    reset = torch.zeros(n, width // CHUNK, dtype=torch.bool, device=q.device)
+    for i, (_, length, r) in enumerate(layouts):
+        reset[i, : length // CHUNK] = r
+
+    def spread(x):  # [N, c, ...] -> [N, width, ...]
+        flat = x.reshape(n * c, *x.shape[2:])
+        return flat.new_zeros(n * width, *x.shape[2:]).index_copy(0, dest, flat).view(n, width, *x.shape[2:])
+
+    o, final = chunk_gated_delta_rule(*(spread(x) for x in (q, k, v, g, beta)), reset=reset, initial_state=initial,
+                                      output_final_state=True)
+    return o.reshape(n * width, *o.shape[2:]).index_select(0, dest).view(n, c, *o.shape[2:]), final
+
+
+def _fla_segments(q, k, v, g, beta, starts, continues, initial):
+    """flash-linear-attention's kernel over the segments' pieces as sequences: the first piece of a segment starts
+    from ``initial`` (its identity columns only where it continues a document), the others from zeros; each
+    segment's final state is its last piece's."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    n, c = starts.shape
+    flat_starts = starts.flatten().nonzero().flatten()
+    cu = torch.cat([flat_starts, flat_starts.new_tensor([n * c])])
+    first = (flat_starts % c == 0).nonzero().flatten()  # each segment's first piece (one per segment, in order)
+    init = initial.new_zeros(len(flat_starts), *initial.shape[1:])
+    init[first] = initial * continues.view(n, 1, 1, 1).to(initial.dtype)
+    flat = [x.reshape(1, n * c, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o, final = fla_chunk(*flat, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                         use_qk_l2norm_in_kernel=False)
+    last = torch.cat([first[1:], first.new_tensor([len(flat_starts)])]) - 1
+    return o.view(n, c, *o.shape[2:]), final[last].float()
+
+
+def chain_states(carry: torch.Tensor, upto: int) -> list[torch.Tensor]:
+    """States before segments 0..upto of rows cut into consecutive segments: ``carry`` [B, S, H, d_k, d_k + d_v]
+    holds each segment's (P | Q) from :func:`segment_gated_delta_rule`; the first segment starts from zeros."""
+    dk = carry.shape[3]
+    state = carry.new_zeros(*carry.shape[:1], *carry.shape[2:4], carry.shape[-1] - dk)
+    states = []
+    for j in range(upto + 1):
+        states.append(state)
+        state = carry[:, j, ..., :dk] @ state + carry[:, j, ..., dk:]
+    return states
+
+
+@torch.compiler.disable  # eager under per-block compile, like gated_delta_rule (data-dependent layouts)
+def ring_linear_attention(q, k, v, g, beta, convs, position, cp, repeat: int):
+    """Gated DeltaNet's conv and recurrence on this rank's two segments of every row under ring context parallel
+    (rows cut into 2 cp segments; this rank holds segments ``cp.segments()``), without moving whole rows.
+
+    The conv reads the last ``kernel - 1`` tokens of the segment before each of its segments (all-gathered; zeros
+    before the row's start, masked by ``position`` across document starts). The recurrence runs on each segment
+    from a zero state, keeping the affine map from the state before the segment to the state after it
+    (:func:`segment_gated_delta_rule`); the maps of all segments are all-gathered, every rank chains them up to
+    its own segments and adds what its incoming state reads. Gradients flow back through both gathers.
+
+    q, k [B, Tl, Hk, d_k] and v [B, Tl, Hv, d_v] before the conv; g, beta [B, Tl, Hv]; ``position`` [B, Tl] the
+    local tokens' indices within their documents; ``repeat`` value heads per key head. Returns o [B, Tl, Hv, d_v].
+    """
+    b, t = q.shape[:2]
+    c, halo = t // 2, convs[0].shape[-1] - 1
+    seg_pos = position.reshape(b * 2, c)
+    mine = list(cp.segments())
+
+    def conv(y, w):  # [B, Tl, C] -> the same, each segment read after its predecessor's last `halo` tokens
+        y = y.reshape(b, 2, c, -1)
+        tails = cp.gather_segments(y[:, :, c - halo:])  # [B, 2cp, halo, C] in row order
+        before = torch.cat([torch.zeros_like(tails[:, :1]), tails[:, :-1]], 1)[:, mine]
+        ext = torch.cat([before, y], 2).reshape(b * 2, halo + c, -1)
+        ext_pos = torch.cat([seg_pos.new_zeros(b * 2, halo), seg_pos], 1)
+        return causal_depthwise_conv(ext, w, ext_pos)[:, halo:].reshape(b, t, -1)
+
+    q, k, v = (conv(y.flatten(2), w).reshape(y.shape) for y, w in zip((q, k, v), convs))
+    q, k = l2_normalize(q.float()), l2_normalize(k.float())
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    h, dk, dv = v.shape[2], q.shape[-1], v.shape[-1]
+    o0, r, P, Q = segment_gated_delta_rule(*(x.reshape(b * 2, c, *x.shape[2:]) for x in (q, k, v, g, beta)), seg_pos)
+    carry = cp.gather_segments(torch.cat([P, Q], -1).view(b, 2, h, dk, dk + dv))
+    states = chain_states(carry, max(mine))
+    incoming = torch.stack([states[j] for j in mine], 1)  # [B, 2, H, d_k, d_v]
+    o = o0.view(b, 2, c, h, dv).float() + torch.einsum("bschk,bshkv->bschv", r.view(b, 2, c, h, dk).float(), incoming)
+    return o.reshape(b, t, h, dv)
 
 
 def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, position: torch.Tensor | None) -> torch.Tensor:
@@ -243,6 +367,11 @@ class GatedDeltaNet(nn.Module):
         g = -_local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + _local(self.dt_bias))
         convs = [_local(w) for w in (self.conv_q, self.conv_k, self.conv_v)]
         cp = self.cp if self.cp is not None and self.cp.active else None
+        if cp is not None and cp.mode == "ring":  # this rank's two segments of each row, the state passed along
+            local = position.index_select(1, cp.shard.index(position.shape[1], device=position.device))
+            o = ring_linear_attention(q, k, v, g, beta, convs, local, cp, v.shape[2] // q.shape[2]).to(x.dtype)
+            z = self.in_proj_z(x).view(b, t, -1, self.v_head_dim)
+            return self.out_proj(self.norm(o, z).reshape(b, t, -1))
         if cp is not None:
             # Ulysses: whole rows of this rank's key heads with their value heads (the next cp rank's heads are the
             # next block), before the conv, so the conv window and the recurrence see the whole row; ``position``

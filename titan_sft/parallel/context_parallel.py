@@ -24,11 +24,14 @@ sees the whole row through one of two exchanges (``parallelism.cp_mode``):
 RoPE positions are those of the unsharded row (taken from the microbatch, or by default the shard's own
 positions ``0..T-1``); ``cu_seqlens`` is always the unsharded row's. Only the token mixers know about cp:
 :func:`apply_context_parallel` swaps the model's attention backend for a :class:`ContextParallelAttention`, and
-Gated DeltaNet (Qwen3.5's linear attention) takes the same object's Ulysses exchange: its projections run on the rank's
+Gated DeltaNet (Qwen3.5's linear attention) takes the same object. Under Ulysses its projections run on the rank's
 positions, then q/k/v (before the causal conv), the decay and the write strength move to whole rows of the rank's
 key heads with their value heads, the conv and the recurrence run there (document boundaries from the unsharded
-``cu_seqlens``), and the output moves back before the gated norm. Ring would need the recurrent state passed from
-rank to rank and is refused for these layers.
+``cu_seqlens``), and the output moves back before the gated norm. Under ring it stays on the rank's two segments
+and passes state instead (``models.gated_deltanet.ring_linear_attention``): each segment's conv reads the
+all-gathered last tokens of the segment before it, and the recurrence runs per segment from a zero state keeping
+the segment's affine state map; the maps are all-gathered and chained, so each segment starts from the state the
+whole row would have there (the linear layers do about 1.5x the delta rule's work: d_k extra value columns).
 Generation and other calls on rows that are not a training microbatch run under :func:`full_sequence`, where
 every cp rank runs the whole row (the cp ranks hold the same data).
 """
@@ -114,10 +117,8 @@ class ContextParallelAttention:
         self.inner.causal = value
 
     def row_length(self, seqlen: int) -> int:
-        """The row length ``cu_seqlens`` covers: the unsharded row's under Ulysses (see ``AttentionBackend``)."""
-        if self.active and self.mode == "ulysses":  # the mask covers the unsharded rows
-            return seqlen * self.shard.size
-        return seqlen
+        """The row length ``cu_seqlens`` covers: the unsharded row's (see ``AttentionBackend``)."""
+        return seqlen * self.shard.size if self.active else seqlen
 
     @property
     def rank(self) -> int:
@@ -135,6 +136,21 @@ class ContextParallelAttention:
     def gather_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, H / cp, D] -> [B, Tl, H, D]: the inverse of :meth:`scatter_heads`."""
         return self._heads_to_seq(x.transpose(1, 2)).transpose(1, 2)
+
+    def segments(self) -> tuple[int, int]:
+        """Ring: the places in the row (of its 2 cp equal segments) of this rank's head and tail segment."""
+        return self.shard.rank, 2 * self.shard.size - 1 - self.shard.rank
+
+    def gather_segments(self, x: torch.Tensor) -> torch.Tensor:
+        """Ring: [B, 2, ...] (something per segment of this rank, head then tail) -> [B, 2 cp, ...], every rank's in
+        row order; differentiable (the gradient is reduce-scattered back). Gated DeltaNet passes its conv's
+        window and its recurrent state's affine maps this way."""
+        from titan_sft.parallel.comm import all_gather_rows
+
+        cp, b = self.shard.size, x.shape[0]
+        out = all_gather_rows(x, self.group, what="context-parallel segment all-gather")  # [cp * B, 2, ...]
+        out = out.view(cp, b, *x.shape[1:]).transpose(0, 1)  # [B, cp, 2, ...]
+        return torch.cat([out[:, :, 0], out[:, :, 1].flip(1)], 1)  # rank r's tail is segment 2cp-1-r
 
     def default_positions(self, seqlen: int, device) -> torch.Tensor:
         """RoPE positions [1, Tl] of this rank's part of rows numbered 0..T-1."""
@@ -222,7 +238,7 @@ class ContextParallelAttention:
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, mode: str) -> SequenceShard:
     """Gives ``model`` (the shared decoder: ``model.backend`` and every attention module's ``backend``) one
     :class:`ContextParallelAttention` over ``cp_mesh``, and each Gated DeltaNet mixer the same object as its
-    head exchange (Ulysses; ``config.check_context_parallel`` refuses ring for them); returns this rank's
+    exchange (Ulysses: heads; ring: segment windows and states); returns this rank's
     :class:`SequenceShard`."""
     from titan_sft.models.gated_deltanet import GatedDeltaNet
 
