@@ -448,3 +448,38 @@ def test_masked_diffusion_sees_the_future_through_full_attention_only():
     assert objective.check_model(get_train_spec("qwen3").flavors["debug"]) == []
     with pytest.raises(ConfigError, match="'objective.name': masked_diffusion needs at least one full-attention"):
         objective.check_model(linear_only)
+
+
+@pytest.mark.parametrize("family,flavor", [("qwen3_5", "debug"), ("qwen3_5_moe", "debug_moe")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dry_run_activation_estimate_within_10_percent_of_autograd(family, flavor, dtype):
+    """The dry run's activation estimate (dry_run.activation_memory_per_rank: Gated DeltaNet layers by
+    linear_attention_bytes, gated full attention, MoE layers with their dispatched copies and shared expert)
+    against the bytes autograd saves for one 4096-token packed row of the debug model, no AC (each storage once,
+    parameters and the no-grad inputs apart). Measured: 0.99 / 0.98 (dense fp32 / bf16), 1.00 / 1.00 (MoE); at
+    Qwen3.5-9B and 35B-A3B shapes (4 layers, bf16, 512 tokens) 0.95 and 0.96, run by hand."""
+    import sys
+    from pathlib import Path
+
+    from titan_sft.dry_run import activation_memory_per_rank
+    from titan_sft.loss import chunked_cross_entropy_sum
+
+    sys.path.insert(0, str(Path(__file__).parent / "dist"))
+    from cp_check import saved_bytes
+
+    args = get_train_spec(family).flavors[flavor]
+    model = build_model(args, "cpu")
+    model.init_weights()
+    model.to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    ids, labels = (torch.randint(0, args.vocab_size, (1, 4096), generator=gen) for _ in range(2))
+    cu = torch.tensor([0, 1365, 4096], dtype=torch.int32)
+
+    def loss():
+        hidden = model(ids, cu_seqlens=cu, positions=torch.arange(4096).unsqueeze(0), hidden_only=True)
+        return chunked_cross_entropy_sum(hidden, model.output.weight, labels, 100, None)
+
+    measured, _ = saved_bytes(model, loss)
+    estimate = activation_memory_per_rank(args, 4096, 1, 1, 1, "none", 2, 4 if dtype == torch.float32 else 2,
+                                          100)["total"]
+    assert abs(estimate - measured) <= 0.1 * measured, (estimate / 2**20, measured / 2**20)

@@ -35,36 +35,72 @@ def planned_world_size(cfg: JobConfig) -> int:
     return p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp
 
 
-def activation_memory_per_rank(args, seq_len: int, rows: int, cp: int, tp: int, ac: str, every_n: int = 2,
-                               dtype_bytes: int = 2, loss_chunk: int = 4096) -> dict[str, float]:
-    """Estimated bytes per rank of what one microbatch's forward keeps for backward (``rows`` packed rows of
-    ``seq_len`` tokens), from the shapes of the decoder's saved tensors. Per token and layer, in the compute
-    dtype: the block input, the normed inputs of attention and MLP, the attention output, q/k/v before and after
-    RoPE, the MLP's gate, up, activation and product (``3h + 3(q + kv) + 4f``), and the two RMSNorms' fp32
-    internals (``4h`` fp32); no [T, T] scores (the GPU kernels keep none). Context parallel divides the tokens by
-    cp; tensor parallel divides every part by tp (sequence parallel outside attention and the MLP, heads and
-    columns inside). AC 'full' keeps only each block's input (plus one block's activations while it is
-    recomputed); 'selective' keeps the matmul and attention outputs; 'every_n' checkpoints every n-th block. The
-    loss adds one chunk of fp32 logits [loss_chunk, vocab / tp] and the final hidden states.
+def linear_attention_bytes(args, dtype_bytes: int, widen_values: bool = False) -> float:
+    """Bytes per token that one Gated DeltaNet layer's mixer (Qwen3.5) keeps for backward on the torch delta rule,
+    its input excluded: per value head about five fp32 [chunk]-long rows of the chunk's matrices (decay pairs, the
+    triangular system, scores), twelve fp32 vectors of d_k and of d_v (q/k/v before and after the conv, their
+    normalised and repeated copies, the solved writes, the output, the gated norm), the state carried into each
+    chunk (d_k x d_v per 64 tokens); per key head its projections. The coefficients were fitted to autograd's saved
+    bytes of the layer (fp32 and bf16, 1-4 key heads, 1-3 value heads per key head, head dims 16-64, packed rows):
+    within 0.2% with two or more value heads. ``widen_values``: ring context parallel's pass carries d_k more value
+    columns. flash-linear-attention's kernel keeps less (it recomputes the chunk states in backward)."""
+    from titan_sft.models.gated_deltanet import CHUNK
 
-    Checked on CPU (tests/test_context_parallel.py): for the 2-layer debug model on a 4096-token fp32 row it gives
-    within 10% of the bytes autograd saves.
+    hk, hv = args.linear_n_k_heads, args.linear_n_v_heads
+    dk, dv = args.linear_k_head_dim, args.linear_v_head_dim
+    dv_kernel = dv + dk if widen_values else dv
+    return (hv * (21 * CHUNK + 48 * dk + (24 + 6 * dtype_bytes) * dv + 4 * dk * dv_kernel / CHUNK)
+            + hk * dk * (8 + 4 * dtype_bytes))
+
+
+def activation_memory_per_rank(args, seq_len: int, rows: int, cp: int, tp: int, ac: str, every_n: int = 2,
+                               dtype_bytes: int = 2, loss_chunk: int = 4096, cp_mode: str = "ulysses"
+                               ) -> dict[str, float]:
+    """Estimated bytes per rank of what one microbatch's forward keeps for backward (``rows`` packed rows of
+    ``seq_len`` tokens), from the shapes of the decoder's saved tensors, layer by layer. Per token, in the compute
+    dtype: the block input, the normed inputs of the mixer and the MLP, the mixer's output, and the two RMSNorms'
+    fp32 internals (``3h`` + ``4h`` fp32); a full-attention layer's q/k/v before and after RoPE (``3(q + kv)``,
+    and ``2q`` more for Qwen3.5's output gate); a Gated DeltaNet layer's mixer (:func:`linear_attention_bytes`);
+    the MLP's gate, up, activation and product (``4f``: the dense ``ffn_dim``, or an MoE layer's top-k experts plus
+    its shared expert; an MoE layer also keeps its tokens' k dispatched copies, ``3kh``, and the fp32 router). No [T, T] scores (the GPU kernels keep none). Context parallel divides the tokens by cp;
+    tensor parallel divides every part by tp (sequence parallel outside the mixer and the MLP, heads and columns
+    inside). AC 'full' keeps only each block's input (plus one block's activations while it is recomputed);
+    'selective' keeps the matmul and attention outputs (a linear-attention layer's mixer counted whole);
+    'every_n' checkpoints every n-th block. The loss adds one chunk of fp32 logits [loss_chunk, vocab / tp] and
+    the final hidden states.
+
+    Checked on CPU: for the 2-layer debug model on a 4096-token fp32 row within 10% of the bytes autograd saves
+    (tests/test_context_parallel.py); for Qwen3.5's debug models (dense and MoE, fp32 and bf16) within 10%
+    (tests/test_qwen3_5.py).
     """
+    from titan_sft.models.moe import moe_layer_ids
+
     tokens = rows * seq_len / cp
-    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
-    if args.n_experts:  # routed MLP: each token's top-k experts' activations
-        f = args.moe_ffn_dim * args.n_experts_per_tok
-    full_block = (dtype_bytes * (3 * h + 3 * q + 3 * kv + 4 * f) + 4 * 4 * h) / tp  # per token
-    saved_block = {"none": full_block, "full": h * dtype_bytes / tp,
-                   "selective": dtype_bytes * (2 * q + 2 * kv + 3 * h + 2 * f) / tp}
-    layers = args.n_layers
+    h, kv = args.dim, args.n_kv_heads * args.head_dim
+    q = args.n_heads * args.head_dim
+    routed = set(moe_layer_ids(args.n_layers, args.n_experts, args.decoder_sparse_step, args.mlp_only_layers))
+    linear = set(args.linear_layers())
+    gdn = linear_attention_bytes(args, dtype_bytes, cp_mode == "ring" and cp > 1) if linear else 0.0
+    full, selective = [], []
+    for i in range(args.n_layers):
+        f = (args.moe_ffn_dim * args.n_experts_per_tok + args.shared_expert_ffn_dim) if i in routed else args.ffn_dim
+        common = dtype_bytes * (3 * h + 4 * f) + 4 * 4 * h
+        if i in routed:  # each token's k copies dispatched to its experts and back, the fp32 router
+            common += dtype_bytes * 3 * args.n_experts_per_tok * h + 4 * (h + 4 * args.n_experts)
+        if i in linear:
+            full.append((common + gdn) / tp)
+            selective.append((dtype_bytes * (3 * h + 2 * f) + gdn) / tp)
+        else:
+            gate = 2 * q if args.attn_output_gate else 0
+            full.append((common + dtype_bytes * (3 * q + 3 * kv + gate)) / tp)
+            selective.append(dtype_bytes * (2 * q + 2 * kv + gate + 3 * h + 2 * f) / tp)
+    kept = h * dtype_bytes / tp
     if ac == "every_n":
-        n_ckpt = -(-layers // every_n)
-        per_layer = (n_ckpt * saved_block["full"] + (layers - n_ckpt) * full_block) / layers
+        per_layer = [kept if i % every_n == 0 else full[i] for i in range(args.n_layers)]
     else:
-        per_layer = saved_block[ac]
-    blocks = tokens * layers * per_layer
-    recompute = tokens * full_block if ac in ("full", "every_n") else 0.0
+        per_layer = {"none": full, "full": [kept] * args.n_layers, "selective": selective}[ac]
+    blocks = tokens * sum(per_layer)
+    recompute = tokens * max(full) if ac in ("full", "every_n") else 0.0
     loss = min(loss_chunk, tokens) * args.vocab_size / tp * 4 + tokens * h * dtype_bytes / tp
     return {"blocks": blocks, "recompute": recompute, "loss": loss, "total": blocks + recompute + loss,
             "tokens": tokens}
@@ -401,7 +437,8 @@ def dry_run(cfg: JobConfig) -> str:
     if L:
         t = cfg.training
         act = activation_memory_per_rank(args, L, t.per_device_batch, cp, tp, t.activation_checkpoint, t.ac_every_n,
-                                         dtype_bytes, t.loss_chunk_size)
+                                         dtype_bytes, t.loss_chunk_size, cfg.parallelism.cp_mode)
+        cp_ring = cp > 1 and cfg.parallelism.cp_mode == "ring"
         if pp > 1:  # this rank's layers, times the microbatches it holds at once
             act["blocks"] *= stage_share
             act["total"] = act["blocks"] + act["recompute"] + act["loss"]
@@ -410,7 +447,10 @@ def dry_run(cfg: JobConfig) -> str:
             f"{t.per_device_batch} x {L:,} tokens ({act['tokens']:,.0f} on this rank"
             f"{f' at cp {cp}' if cp > 1 else ''}{f', tp {tp}' if tp > 1 else ''}), activation_checkpoint "
             f"{t.activation_checkpoint}: blocks {act['blocks'] / GIB:.2f} GiB, recompute {act['recompute'] / GIB:.2f} "
-            f"GiB, loss chunk {act['loss'] / GIB:.2f} GiB")
+            f"GiB, loss chunk {act['loss'] / GIB:.2f} GiB"
+            + (f"; its {len(args.linear_layers())} linear-attention layers counted as torch's delta rule keeps them "
+               f"({linear_attention_bytes(args, dtype_bytes, cp_ring) / 2**10:.0f} KiB per token each before tp; "
+               "flash-linear-attention's kernel keeps less)" if args.linear_layers() else ""))
         peak = (mem["params"] + mem["grads"] + mem["optimizer"] + act["total"] + nf4_transient(model, dtype_bytes)
                 + (mem["deferred_grads"] if deferred else 0))
         layout.append(f"per rank in all (estimate, a floor: allocator fragmentation and kernel workspaces come on "
@@ -469,7 +509,7 @@ def peak_memory_estimate(cfg: JobConfig, seq_len: int) -> dict[str, float]:
     if cfg.parallelism.grad_reduce == "last_microbatch":
         state += mem["deferred_grads"]
     act = activation_memory_per_rank(args, seq_len, t.per_device_batch, cp, tp, t.activation_checkpoint,
-                                     t.ac_every_n, dtype_bytes, t.loss_chunk_size)
+                                     t.ac_every_n, dtype_bytes, t.loss_chunk_size, cfg.parallelism.cp_mode)
     dequant = nf4_transient(model, dtype_bytes)
     return {"state": state, "activations": act["total"], "dequantized": dequant,
             "total": state + act["total"] + dequant}
