@@ -61,8 +61,10 @@ def test_gpu_check_rehearsal_runs_every_phase_and_writes_every_file(tmp_path):
     from bench_gpu import CASES
 
     records = {json.loads(x)["case"]: json.loads(x) for x in (out / "gpu_check.jsonl").read_text().splitlines()}
-    assert set(records) == set(CASES) | {"attention_sdpa", "attention_flex"}
+    delta_rule = {f"delta_rule_{n}" for n in ("fla", "torch", "transformers", "ring_segments")}
+    assert set(records) == set(CASES) | {"attention_sdpa", "attention_flex"} | delta_rule
     assert not [n for n, x in records.items() if "error" in x]
+    assert records.pop("delta_rule_fla")["skipped"] == "CPU"
     assert all(x["tokens_per_s"] > 0 and x["tflops"] > 0 for x in records.values())
     table = (out / "gpu_check.md").read_text()
     assert all(f"| {name} |" in table for name in records)
