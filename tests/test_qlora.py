@@ -192,7 +192,7 @@ def test_qlora_diffusion_debug_job_learns_and_exports_onto_the_original_weights(
 
 
 @pytest.mark.parametrize("name,nf4_gib,total_gib", [("qwen3_32b_qlora", 14.99, 30.38),
-                                                    ("qwen3_30b_a3b_qlora", 14.36, 27.74)])
+                                                    ("qwen3_30b_a3b_qlora", 14.36, 28.57)])
 def test_qlora_configs_plan_one_80gb_gpu(name, nf4_gib, total_gib, monkeypatch):
     """The shipped QLoRA plans fit one 80 GB GPU by the dry run's estimate (computed from shapes): the NF4 base
     at 0.516 bytes per parameter, adapters' state, one microbatch's activations and the dequantized weights."""
