@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -66,7 +65,7 @@ def main() -> int:
     ap.add_argument("--table", default="benchmarks/results/gpu_check.md")
     ap.add_argument("--rehearse", action="store_true")
     a = ap.parse_args()
-    from bench_gpu import write_table
+    from bench_gpu import append_record, kernel_record
     from titan_sft.metrics import peak_flops
 
     cuda = torch.cuda.is_available() and not a.rehearse
@@ -97,17 +96,11 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats()
             t = time_backend(name, q, k, v, cu, rows, seq_len, backward)
             flops = pairs * 4 * h * d * (3 if backward else 1)
-            record.update(ms=t * 1e3, tokens_per_s=rows * seq_len / t, tflops=flops / t / 1e12,
-                          mfu=100 * flops / t / peak if peak else None, mfu_torchtitan=None,
-                          memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                          memory_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
+            record.update(kernel_record(t, rows * seq_len, flops, peak, cuda))
         except Exception as e:  # one backend's failure is its line; the others still run
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
         results[name] = record
-        with jsonl.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        write_table(jsonl, Path(a.table))
-        print(json.dumps(record), flush=True)
+        append_record(jsonl, Path(a.table), record)
     return 1 if any("error" in r for r in results.values()) else 0
 
 

@@ -63,7 +63,7 @@ def gpu_check(a) -> int:
 
     import torch
 
-    from bench_gpu import write_table
+    from bench_gpu import append_record, kernel_record
     from titan_sft.metrics import peak_flops
     from titan_sft.models import gated_deltanet as gd
 
@@ -126,17 +126,11 @@ def gpu_check(a) -> int:
                         torch.cuda.synchronize()
                     times.append(time.perf_counter() - t)
                 t = sorted(times)[len(times) // 2]
-                record.update(ms=t * 1e3, tokens_per_s=rows * seq_len / t, tflops=flops / t / 1e12,
-                              mfu=100 * flops / t / peak if peak else None, mfu_torchtitan=None,
-                              memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-                              memory_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
+                record.update(kernel_record(t, rows * seq_len, flops, peak, cuda))
             except Exception as e:  # one variant's failure is its line; the others still run
                 record["error"] = f"{type(e).__name__}: {e}"[:2000]
                 failed += 1
-        with jsonl.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        write_table(jsonl, Path(a.table))
-        print(json.dumps(record), flush=True)
+        append_record(jsonl, Path(a.table), record)
     return 1 if failed else 0
 
 

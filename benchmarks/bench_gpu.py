@@ -238,6 +238,25 @@ def _fmt(v, spec):
     return "n/a" if v is None else format(v, spec)
 
 
+def kernel_record(seconds: float, tokens: int, flops: float, peak: float | None, cuda: bool) -> dict:
+    """The measured fields of a kernel-only case (attention, the delta rule): time, throughput, TFLOP/s, MFU
+    against ``peak`` and, on a GPU, the peak memory since the last reset."""
+    import torch
+
+    return dict(ms=seconds * 1e3, tokens_per_s=tokens / seconds, tflops=flops / seconds / 1e12,
+                mfu=100 * flops / seconds / peak if peak else None, mfu_torchtitan=None,
+                memory_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                memory_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None)
+
+
+def append_record(jsonl: Path, table: Path, record: dict) -> None:
+    """One case's record appended to ``jsonl``, the table rewritten, the record printed."""
+    with jsonl.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    write_table(jsonl, table)
+    print(json.dumps(record), flush=True)
+
+
 def write_table(jsonl: Path, table: Path) -> None:
     """The markdown table of every case in ``jsonl`` (the latest record of each), ratios to named baselines."""
     results: dict[str, dict] = {}
