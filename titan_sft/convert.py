@@ -193,4 +193,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titan_sft.parallel.distributed import exit_process
+
+    exit_process(main())  # from-reference runs a Trainer: the same teardown as training

@@ -36,7 +36,7 @@ from titan_sft.lr_schedule import total_steps
 from titan_sft.metrics import FlopCounter
 from titan_sft.objectives import BatchError, build_objective
 from titan_sft.parallel import clip_grad_norm_, comm, init_distributed, init_sharded, shutdown
-from titan_sft.parallel.distributed import sum_gradients_over_tp
+from titan_sft.parallel.distributed import exit_process, sum_gradients_over_tp
 from titan_sft.parallel.context_parallel import sequence_shard
 from titan_sft.parallel.pipeline_parallel import (build_pipelined_model, check_pipeline_parallel, stage_inputs,
                                                   startup_check_on_first_stage)
@@ -531,4 +531,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -219,6 +221,21 @@ def shutdown() -> None:
     dist.barrier()
     dist.destroy_process_group()
     comm.disable_host_tensor_check()
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends a command-line process (after :func:`shutdown`) without the interpreter's teardown.
+
+    ``destroy_process_group`` drops c10d's own references only: the gloo groups that FSDP states and meshes still
+    hold are freed during interpreter finalization, in native code racing the other ranks' exits. On torch 2.11 that
+    teardown aborted (SIGABRT) one rank of a run that had finished and saved everything, which the launcher reports
+    as a failed job (and a SLURM script would requeue). By this point every file the command writes is closed
+    (checkpoints, metrics, TensorBoard, W&B), so the streams and log handlers are flushed and the process ends.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def new_transient_group() -> dist.ProcessGroup | None:
