@@ -256,3 +256,35 @@ def test_decay_mask_all_decays_every_trainable_parameter_like_the_reference():
     assert all(torch.equal(p, ref[id(p)]) for p in trainable)
     recipe = decay_groups(model)[1]
     assert recipe and all("norm" in n for n in recipe)
+
+
+@pytest.mark.parametrize("overrides", [["--optimizer.decay_mask", "all"], ["--lora.train_norms", "false"]])
+def test_an_optimizer_with_nothing_outside_decay_restores_from_its_checkpoint_state(overrides):
+    """decay_mask "all", and LoRA without trained norms, leave the no-decay group empty. Such a group is not built:
+    the flattened optimizer state a checkpoint stores (``get_optimizer_state_dict``) could not be loaded back
+    (an IndexError that sent every resume of such a run back to step 0), and the restored moments are the saved."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from titan_sft.config import load_config
+    from titan_sft.lora import apply_lora
+
+    def build():
+        torch.manual_seed(0)
+        model = build_model(QWEN3_FLAVORS["debug"], device="cpu")
+        cfg = load_config(None, ["--model.converters", "lora", "--optimizer.weight_decay", "0.1", *overrides])
+        apply_lora(model, cfg)
+        return model, build_optimizer(model, cfg.optimizer)
+
+    model, opt = build()
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1]
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    saved = get_optimizer_state_dict(model, opt)
+    model2, opt2 = build()
+    set_optimizer_state_dict(model2, opt2, saved)
+    params2 = dict(model2.named_parameters())
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(opt2.state[params2[n]]["exp_avg"], opt.state[p]["exp_avg"]), n

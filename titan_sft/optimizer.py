@@ -48,10 +48,10 @@ def build_optimizer(model: nn.Module, cfg: OptConfig, global_batch: int | None =
     lr = scaled_lr(cfg, global_batch) if global_batch else cfg.lr
     params = dict(model.named_parameters())
     decay, no_decay = decay_groups(model, cfg.decay_mask)
-    groups = [
-        {"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
-        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
-    ]
+    # An empty group (decay_mask "all", or LoRA factors without trained norms) is left out: torch's flattened
+    # optimizer state dict, which checkpoints store, cannot be loaded back into an optimizer holding one.
+    groups = [g for g in ({"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
+                          {"params": [params[n] for n in no_decay], "weight_decay": 0.0}) if g["params"]]
     if cfg.name == "adamw8bit":
         try:
             import bitsandbytes as bnb
