@@ -4,12 +4,16 @@
     python -m titan_sft.convert from-hf --hf Qwen3-0.6B --out start_ckpt [--model qwen3 --flavor 0.6B]
     [torchrun --nproc_per_node N -m] python -m titan_sft.convert from-reference --reference OLD/checkpoints/step-99 \
         --config train_configs/qwen3_8b_sft.toml [--job.dump_folder NEW ...config overrides]
+    [torchrun ...] python -m titan_sft.convert from-accelerate --checkpoint OLD/checkpoint-500 \
+        --config train_configs/qwen3_8b_diffusion_lora_reference.toml [--job.dump_folder NEW ...]
 
 ``to-hf`` rebuilds the model from the checkpoint's own saved config (meta.json) and writes what a run's export
 writes. ``from-hf`` writes a weights-only DCP checkpoint; start a run from it with ``--checkpoint.resume PATH``
 (model weights are loaded; optimizer, schedule and data order start fresh). ``from-reference`` continues a run of
 the Levanter-port SFT script: its checkpoint (weights, Adam moments, step) becomes ``checkpoints/step-L`` of the
 config's run folder, with the schedule and data order at its step; run the config to continue (docs/migrating.md).
+``from-accelerate`` does the same for the masked-diffusion reference trainer's Accelerate checkpoint (adapters,
+trained norms, Adam moments, update count; the lr checked against the config's schedule).
 """
 
 from __future__ import annotations
@@ -171,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("from-reference", help="Levanter-port script checkpoint -> titan_sft checkpoint to resume")
     c.add_argument("--reference", required=True, help="its checkpoints/step-L or checkpoints-temp directory")
     c.add_argument("--config", required=True, help="the titan_sft config of the continuing run (TOML)")
+    d = sub.add_parser("from-accelerate", help="masked-diffusion reference trainer's Accelerate checkpoint -> "
+                                               "titan_sft checkpoint to resume")
+    d.add_argument("--checkpoint", required=True, help="its checkpoint-N directory (Accelerate save_state)")
+    d.add_argument("--config", required=True, help="the titan_sft config of the continuing run (TOML)")
     ns, rest = ap.parse_known_args(argv)
-    if rest and ns.cmd != "from-reference":
+    if rest and ns.cmd not in ("from-reference", "from-accelerate"):
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if ns.cmd == "from-reference":
@@ -180,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             from titan_sft.from_reference import import_reference
 
             path = import_reference(ns.reference, load_config(ns.config, rest))
+        elif ns.cmd == "from-accelerate":
+            from titan_sft.config import load_config
+            from titan_sft.from_accelerate import import_accelerate
+
+            path = import_accelerate(ns.checkpoint, load_config(ns.config, rest))
         elif ns.cmd == "to-hf":
             path = to_hf(ns.checkpoint, ns.out, ns.dtype, ns.tokenizer)
         else:
